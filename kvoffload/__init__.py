@@ -1,0 +1,53 @@
+"""kvoffload: the KV-offload lifecycle layer for LLM decode workers."""
+
+from __future__ import annotations
+
+from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import (
+    BackendError,
+    ConfigError,
+    DrainTimeout,
+    InvalidTokens,
+    InvalidTransition,
+    InvariantViolation,
+    KVOffloadError,
+    MissingDependency,
+    PageError,
+    PoolExhausted,
+    StorageError,
+)
+from kvoffload.keys import chain_keys, page_key
+from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
+from kvoffload.manager import OffloadManager
+from kvoffload.stats import Statistics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SPEC",
+    "BackendError",
+    "ConfigError",
+    "DrainTimeout",
+    "EventBackend",
+    "InvalidTokens",
+    "InvalidTransition",
+    "InvariantViolation",
+    "KVOffloadError",
+    "Lifecycle",
+    "LifecycleId",
+    "LifecycleState",
+    "MissingDependency",
+    "OffloadConfig",
+    "OffloadManager",
+    "Outcome",
+    "PageError",
+    "PoolExhausted",
+    "Statistics",
+    "Storage",
+    "StorageError",
+    "Transfer",
+    "__version__",
+    "chain_keys",
+    "page_key",
+]

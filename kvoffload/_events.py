@@ -1,0 +1,70 @@
+"""Structured events: one stable name per kind of thing, sent to structlog and to
+in-process listeners (the timeline recorder, tests).
+
+The library never configures structlog. Hot-path events (transitions, submissions,
+completions) are logged at debug level and are only *built* when someone would see
+them: when the configured structlog wrapper class lets debug through, or when a
+listener is attached. The gate costs two attribute reads while its answer is cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+__all__ = ["EVENT_NAMES", "Listener", "debug_enabled", "logger"]
+
+#: Every event name kvoffload emits (docs/events.md lists them; a test checks).
+EVENT_NAMES: dict[str, str] = {
+    "lifecycle.admitted": "a lifecycle was created (debug)",
+    "lifecycle.transition": "a lifecycle changed state or took a self-transition (debug)",
+    "lifecycle.released": "a lifecycle reached RELEASED; device pages returned (debug)",
+    "lifecycle.stuck": "watchdog: a lifecycle stayed in OFFLOADING/FINISHING past stuck_after_s (warning)",
+    "transfer.submitted": "a chunk was handed to the copy backend (debug)",
+    "transfer.completed": "a chunk's copy completed and was delivered (debug)",
+    "transfer.failed": "a chunk's copy failed (warning)",
+    "transfer.discarded": "a chunk completed after its lifecycle was aborted (debug)",
+    "chunk.dropped": "a chunk found the host pool full and was dropped (warning, rate-limited)",
+    "chunk.deferred": "a chunk waits for host pages under on_host_full='wait' (debug)",
+    "storage.written": "a chunk's pages were written to the storage tier (debug)",
+    "storage.failed": "a storage write failed (warning, rate-limited)",
+    "manager.drain_timeout": "leaving the manager timed out with copies in flight (error)",
+    "manager.closed_live": "the manager was left with lifecycles never finished (warning)",
+}
+
+Listener = Callable[[str, dict[str, Any]], None]
+
+logger = structlog.get_logger("kvoffload")
+
+try:  # structlog's live configuration; read-only use, with a public fallback.
+    from structlog import _config as _structlog_config
+
+    _STRUCTLOG_CONFIG: Any = _structlog_config._CONFIG
+except (ImportError, AttributeError):  # pragma: no cover - a future structlog
+    _STRUCTLOG_CONFIG = None
+
+_cached_wrapper: object = None
+_cached_debug = True
+
+
+def debug_enabled() -> bool:
+    """Whether a structlog debug event would pass the configured level filter."""
+    global _cached_wrapper, _cached_debug
+    if _STRUCTLOG_CONFIG is None:  # pragma: no cover
+        wrapper = structlog.get_config()["wrapper_class"]
+    else:
+        wrapper = _STRUCTLOG_CONFIG.default_wrapper_class
+    if wrapper is _cached_wrapper:
+        return _cached_debug
+    enabled = True
+    probe = getattr(wrapper, "is_enabled_for", None)
+    if probe is not None:
+        try:
+            enabled = bool(wrapper(structlog.PrintLogger(), [], {}).is_enabled_for(logging.DEBUG))
+        except Exception:  # an exotic wrapper: assume it wants everything
+            enabled = True
+    _cached_wrapper, _cached_debug = wrapper, enabled
+    return enabled

@@ -1,0 +1,118 @@
+"""The ledger check behind ``OffloadManager.check_invariants()`` (ARCHITECTURE.md rules 1-6)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload.errors import InvariantViolation
+from kvoffload.lifecycle.spec import LifecycleState
+
+if TYPE_CHECKING:
+    from kvoffload.manager import OffloadManager
+
+__all__ = ["check"]
+
+
+def check(mgr: OffloadManager) -> None:
+    """Raise :class:`InvariantViolation` listing every broken rule."""
+    problems: list[str] = []
+
+    def expect(ok: bool, what: str) -> None:
+        if not ok:
+            problems.append(what)
+
+    c = mgr.counters
+    cfg = mgr.config
+    ps = cfg.page_size
+    live = list(mgr._live.values())
+    released = c.released_completed + c.released_aborted + c.released_failed
+    # Rule 6: admitted = live + released.
+    expect(
+        c.admitted == len(live) + released, f"admitted {c.admitted} != live {len(live)} + released {released}"
+    )
+    for name in c.names:
+        expect(getattr(c, name) >= 0, f"counter {name} is negative: {getattr(c, name)}")
+    counts = [0, 0, 0, 0]
+    dev_pages: set[int] = set()
+    dev_total = 0
+    inflight_sum = 0
+    for lc in live:
+        counts[lc._s] += 1
+        expect(lc._s != 3, f"{lc!r} is RELEASED but still registered")
+        expect(lc.outcome is None, f"{lc!r} is live with outcome {lc.outcome}")
+        expect(
+            0 <= lc.submitted <= lc.committed, f"{lc!r}: submitted {lc.submitted} / committed {lc.committed}"
+        )
+        expect(lc.submitted % ps == 0, f"{lc!r}: submitted {lc.submitted} is not page-aligned")
+        expect(len(lc._tail) == lc.committed - lc.submitted, f"{lc!r}: tail length {len(lc._tail)}")
+        expect(
+            len(lc.device_pages) == -(-lc.committed // ps),
+            f"{lc!r}: {len(lc.device_pages)} device pages for {lc.committed} tokens",
+        )
+        expect(lc.inflight >= 0, f"{lc!r}: negative inflight")
+        if lc._s == LifecycleState.PENDING.value:
+            expect(lc.inflight == 0, f"{lc!r} is PENDING with {lc.inflight} chunks in flight")
+        if lc._s == LifecycleState.OFFLOADING.value:
+            expect(lc.inflight > 0, f"{lc!r} is OFFLOADING with nothing in flight")
+        if lc._deferred_since is not None:
+            expect(lc in mgr._deferred, f"{lc!r} is deferred but not queued")
+        for p in lc.device_pages:
+            expect(p not in dev_pages, f"device page {p} held by two lifecycles")
+            dev_pages.add(p)
+            expect(
+                mgr.device_pool.is_allocated(p), f"{lc!r} holds device page {p} that the pool thinks is free"
+            )
+        dev_total += len(lc.device_pages)
+        inflight_sum += lc.inflight
+    expect(counts == mgr._state_counts, f"state counts {mgr._state_counts} != registry {counts}")
+    # Rule 2: device pages are held by live lifecycles only, exactly.
+    expect(
+        mgr.device_pool.used == dev_total,
+        f"device pool used {mgr.device_pool.used} != held by live lifecycles {dev_total}",
+    )
+    # Rule 1 and 6: every in-flight transfer belongs to a live lifecycle; counts agree.
+    expect(
+        len(mgr._inflight) == c.chunks_inflight == inflight_sum,
+        f"in flight: {len(mgr._inflight)} transfers, counter {c.chunks_inflight}, lifecycles {inflight_sum}",
+    )
+    host_inflight = 0
+    for t in mgr._inflight.values():
+        expect(t.lifecycle._s != 3, f"{t!r} in flight for a RELEASED lifecycle")
+        expect(t.lifecycle.id in mgr._live, f"{t!r} in flight for an unregistered lifecycle")
+        expect(
+            set(t.device_pages) <= set(t.lifecycle.device_pages),
+            f"{t!r} reads device pages its lifecycle does not hold",
+        )
+        host_inflight += len(t.host_pages)
+    expect(host_inflight == c.pages_inflight, f"pages in flight {c.pages_inflight} != {host_inflight}")
+    host_writes = sum(len(t.host_pages) for t in mgr._writes)
+    expect(host_writes == c.pages_in_write, f"pages in write {c.pages_in_write} != {host_writes}")
+    # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
+    expect(
+        mgr.host_pool.used == host_inflight + host_writes,
+        f"host pool used {mgr.host_pool.used} != in flight {host_inflight} + in write {host_writes}",
+    )
+    # Rule 6: the chunk and page ledgers.
+    expect(
+        c.chunks_submitted == c.chunks_inflight + c.chunks_copied + c.chunks_discarded + c.chunks_failed,
+        "chunks: submitted != inflight + copied + discarded + failed",
+    )
+    expect(
+        c.pages_submitted == c.pages_inflight + c.pages_copied + c.pages_discarded + c.pages_failed,
+        "pages: submitted != inflight + copied + discarded + failed",
+    )
+    expect(
+        c.pages_copied == c.pages_stored + c.pages_store_failed + c.pages_in_write + c.pages_not_stored,
+        "pages: copied != stored + store_failed + in_write + not_stored",
+    )
+    expect(
+        all(lc._deferred_since is not None for lc in mgr._deferred),
+        "a non-deferred lifecycle is queued as deferred",
+    )
+    try:
+        mgr.device_pool.check()
+        mgr.host_pool.check()
+    except AssertionError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise InvariantViolation("; ".join(problems))

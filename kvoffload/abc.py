@@ -1,0 +1,185 @@
+"""Every interface kvoffload's layers share, in one place.
+
+Bookkeeping (the manager and its lifecycles) and data movement (event backends and
+storages) meet only here. They share a tiny vocabulary: a :class:`Transfer` (which
+device pages go to which host pages, under which keys) and a :data:`Completion`
+(that transfer, and the error if its copy failed). Backends and storages never read
+or change lifecycle state.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
+    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.pools import DevicePool, HostPool
+
+__all__ = [
+    "Completion",
+    "EventBackend",
+    "Storage",
+    "Transfer",
+    "TransferId",
+]
+
+TransferId = NewType("TransferId", int)
+
+_transfer_ids = itertools.count(1)
+
+
+class Transfer:
+    """One chunk: a copy of whole device pages to host pages, submitted as a unit.
+
+    Created by the manager (loop thread) *after* its host pages were allocated, and
+    immutable from then on except for ``completed_at`` and ``error``, which the
+    manager sets on delivery. The transfer holds the lifecycle that issued it: that is
+    how a completion reaches its own lifecycle and nothing is looked up by request id.
+    Backends read ``device_pages``, ``host_pages`` and ``stream``; nothing else.
+    """
+
+    __slots__ = (
+        "completed_at",
+        "device_pages",
+        "error",
+        "first_token",
+        "host_pages",
+        "id",
+        "keys",
+        "lifecycle",
+        "n_tokens",
+        "stream",
+        "submitted_at",
+    )
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        device_pages: list[int],
+        host_pages: list[int],
+        keys: list[str],
+        first_token: int,
+        n_tokens: int,
+        submitted_at: float,
+        stream: int = 0,
+    ) -> None:
+        self.id = TransferId(next(_transfer_ids))
+        self.lifecycle = lifecycle
+        self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.keys = keys
+        self.first_token = first_token
+        self.n_tokens = n_tokens
+        self.submitted_at = submitted_at
+        self.stream = stream
+        self.completed_at: float | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def pages(self) -> int:
+        """Number of pages copied by this transfer."""
+        return len(self.device_pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Transfer #{self.id} of lifecycle #{self.lifecycle.id} ({self.lifecycle.rid!r}) "
+            f"tokens {self.first_token}..{self.first_token + self.n_tokens} "
+            f"{len(self.device_pages)} page(s)>"
+        )
+
+
+Completion: TypeAlias = "tuple[Transfer, BaseException | None]"
+"""A finished copy: the transfer and ``None``, or the error that failed it."""
+
+
+class EventBackend(abc.ABC):
+    """Moves bytes from device pages to host pages and signals completion.
+
+    Where it runs: ``open``, ``submit``, ``wait_completions`` and ``aclose`` are called
+    from the event loop thread by the manager; the copies themselves may run anywhere
+    (a worker thread, a CUDA stream, or - for the sim backend - when a test says so).
+
+    Guarantees every backend gives (checked by ``tests/backends`` on each):
+
+    - ``submit`` returns at once; it never waits for a copy.
+    - Each submitted transfer completes exactly once, as a success or as a failure of
+      that transfer only; within one stream, completions come in submission order.
+    - The host pages of a successful transfer hold the bytes the device pages held when
+      it was submitted (for a device that the engine keeps writing, see F17).
+    - ``aclose`` returns only once no copy is running, so no buffer is freed under one.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    @abc.abstractmethod
+    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
+        """Allocate the device and host pools this backend copies between."""
+
+    def open(self, device: DevicePool, host: HostPool) -> None:  # noqa: B027 - optional hook
+        """Bind the pools before the first submit. Called once, in the manager's ``__aenter__``."""
+
+    @abc.abstractmethod
+    def submit(self, transfer: Transfer) -> None:
+        """Start copying ``transfer.device_pages`` to ``transfer.host_pages``. Never blocks.
+
+        Raises :class:`~kvoffload.BackendError` if the copy cannot be started (then
+        nothing was started and the caller still owns the host pages).
+        """
+
+    @abc.abstractmethod
+    async def wait_completions(self) -> list[Completion]:
+        """Wait until at least one copy has finished; return every finished one.
+
+        Each completion is returned once, in per-stream submission order. Only the
+        manager's delivery task calls this.
+        """
+
+    @property
+    @abc.abstractmethod
+    def signalled(self) -> int:
+        """Completions made available to ``wait_completions`` so far (monotonic)."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Stop; return once no copy is running. Called after the manager drained."""
+
+
+class Storage(abc.ABC):
+    """A tier that keeps pages under their chain keys, shared by workers or not.
+
+    Called from the event loop by the manager's storage-writer task and by
+    ``lookup``/``fetch``; a store may do its I/O on threads. A store never sees
+    lifecycles. A page is the raw bytes of one host page.
+    """
+
+    name: ClassVar[str] = "abstract"
+
+    @abc.abstractmethod
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        """Store ``pages[i]`` under ``keys[i]``; raise :class:`~kvoffload.StorageError` on failure.
+
+        A page is stored whole or not at all (no torn page is ever readable under a key).
+        """
+
+    @abc.abstractmethod
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The bytes under each key, ``None`` where missing or unreadable."""
+
+    async def exists_prefix(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, counting from the first, are stored."""
+        n = 0
+        for page in await self.get(keys):
+            if page is None:
+                break
+            n += 1
+        return n
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files."""
+
+    def describe(self) -> dict[str, Any]:
+        """A small dict for logs and summaries."""
+        return {"storage": self.name}

@@ -1,0 +1,111 @@
+"""The deterministic simulated backend: nothing completes until a test says so.
+
+``complete(t)`` moves the bytes from ``t``'s device pages to its host pages *at that
+moment*, so a device page freed (and rewritten) too early shows up as wrong data in
+the host page; ``fail(t, error)`` reports a failed copy. Completions may be signalled
+in any order. Everything runs on the event loop thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import anyio
+
+from kvoffload.abc import Completion, EventBackend, Transfer
+from kvoffload.errors import BackendError
+from kvoffload.pools import DevicePool, HostPool
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
+
+__all__ = ["SimBackend"]
+
+
+class SimBackend(EventBackend):
+    """A copy backend driven by the test: ``pending``, ``complete(t)``, ``fail(t, error)``."""
+
+    name = "sim"
+
+    def __init__(self) -> None:
+        # pending: submitted transfers not yet completed or failed, in submission order.
+        self.pending: list[Transfer] = []
+        self._ready: deque[Completion] = deque()
+        self._ready_ev: anyio.Event | None = None
+        self._signalled = 0
+        self._device: DevicePool | None = None
+        self._host: HostPool | None = None
+        self._closed = False
+        self.submitted = 0
+
+    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
+        """Plain CPU tensors for both pools."""
+        args = (config.page_size, config.kv_shape, config.dtype)
+        return (
+            DevicePool.create(config.device_pages, *args),
+            HostPool.create(config.host_pages, *args),
+        )
+
+    def open(self, device: DevicePool, host: HostPool) -> None:
+        self._device, self._host = device, host
+
+    def submit(self, transfer: Transfer) -> None:
+        """Record ``transfer`` as pending; nothing is copied yet."""
+        if self._closed:
+            raise BackendError("SimBackend is closed")
+        self.pending.append(transfer)
+        self.submitted += 1
+
+    def _take(self, transfer: Transfer) -> None:
+        try:
+            self.pending.remove(transfer)
+        except ValueError:
+            raise BackendError(
+                f"{transfer!r} is not pending (completed already, or never submitted)"
+            ) from None
+
+    def complete(self, transfer: Transfer) -> None:
+        """Copy ``transfer``'s device pages to its host pages now and signal success."""
+        self._take(transfer)
+        assert self._device is not None and self._host is not None
+        import torch
+
+        src = torch.tensor(transfer.device_pages, dtype=torch.long)
+        dst = torch.tensor(transfer.host_pages, dtype=torch.long)
+        self._host.tensor.index_copy_(0, dst, self._device.tensor.index_select(0, src))
+        self._signal((transfer, None))
+
+    def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:
+        """Signal that ``transfer``'s copy failed (nothing is copied)."""
+        self._take(transfer)
+        self._signal((transfer, error if error is not None else BackendError("simulated copy failure")))
+
+    def complete_all(self) -> None:
+        """Complete every pending transfer, in submission order."""
+        for t in list(self.pending):
+            self.complete(t)
+
+    def _signal(self, completion: Completion) -> None:
+        self._ready.append(completion)
+        self._signalled += 1
+        ev = self._ready_ev
+        if ev is not None:
+            self._ready_ev = None
+            ev.set()
+
+    @property
+    def signalled(self) -> int:
+        return self._signalled
+
+    async def wait_completions(self) -> list[Completion]:
+        while not self._ready:
+            if self._ready_ev is None:
+                self._ready_ev = anyio.Event()
+            await self._ready_ev.wait()
+        batch = list(self._ready)
+        self._ready.clear()
+        return batch
+
+    async def aclose(self) -> None:
+        self._closed = True

@@ -1,0 +1,87 @@
+"""OffloadConfig: the sizes and policies of one manager, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from kvoffload.errors import ConfigError
+
+__all__ = ["OffloadConfig"]
+
+_DTYPES = ("float16", "bfloat16", "float32", "uint8", "int8", "int32")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """Sizes and policies of an :class:`~kvoffload.OffloadManager`.
+
+    Every field is checked at construction; a bad value raises
+    :class:`~kvoffload.ConfigError` naming the field, the value and what is allowed.
+    """
+
+    page_size: int
+    """Tokens per page (device and host pages are the same size)."""
+    stride: int
+    """Committed tokens per chunk: a chunk is submitted once ``stride`` new tokens are
+    committed beyond the last submitted one. A multiple of ``page_size``."""
+    device_pages: int
+    """Pages in the device pool (the engine's KV memory)."""
+    host_pages: int
+    """Pages in the host (pinned) staging pool."""
+    kv_shape: tuple[int, ...] = (8,)
+    """Elements of KV per token (all layers, K and V); a page is ``(page_size, *kv_shape)``."""
+    dtype: str = "float16"
+    """torch dtype name of the KV pages."""
+    offload_prompt: bool = False
+    """Offload the prompt's page-aligned part too (as the first chunk). By default the
+    prefill side is taken to have stored it already."""
+    on_host_full: Literal["drop", "wait"] = "drop"
+    """When the host pool has no room for a chunk: ``"drop"`` counts a drop and retries
+    one stride later; ``"wait"`` defers the chunk until host pages return, for at most
+    ``host_wait_s`` seconds, then counts a drop. Neither ever blocks the caller."""
+    host_wait_s: float = 1.0
+    """Bound of the ``"wait"`` policy, in seconds of the manager's clock."""
+    drain_timeout_s: float | None = 30.0
+    """Leaving the manager waits at most this long for in-flight copies (``None``: for ever)."""
+    stuck_after_s: float | None = None
+    """Watchdog: lifecycles in OFFLOADING/FINISHING longer than this are reported."""
+    watchdog_interval_s: float = 1.0
+    """How often the watchdog looks, in seconds."""
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "stride", "device_pages", "host_pages"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.stride % self.page_size:
+            raise ConfigError(f"stride ({self.stride}) must be a multiple of page_size ({self.page_size})")
+        if self.stride // self.page_size > self.host_pages:
+            raise ConfigError(
+                f"a stride is {self.stride // self.page_size} pages but host_pages is "
+                f"{self.host_pages}: one chunk could never fit"
+            )
+        if (
+            not isinstance(self.kv_shape, tuple)
+            or not self.kv_shape
+            or any(type(d) is not int or d <= 0 for d in self.kv_shape)
+        ):
+            raise ConfigError(f"kv_shape must be a non-empty tuple of positive ints, got {self.kv_shape!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.on_host_full not in ("drop", "wait"):
+            raise ConfigError(f"on_host_full must be 'drop' or 'wait', got {self.on_host_full!r}")
+        for name in ("host_wait_s", "watchdog_interval_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+        for name in ("drain_timeout_s", "stuck_after_s"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
+                raise ConfigError(f"{name} must be None or a number >= 0, got {v!r}")
+
+    @property
+    def stride_pages(self) -> int:
+        """Pages per full stride."""
+        return self.stride // self.page_size

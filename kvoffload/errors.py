@@ -1,0 +1,86 @@
+"""One exception hierarchy, rooted at :class:`KVOffloadError`.
+
+Every error raised at kvoffload's boundary is one of these, says what was wrong
+and what is allowed, and is raised *before* any count or page changes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "ConfigError",
+    "DrainTimeout",
+    "InvalidTokens",
+    "InvalidTransition",
+    "InvariantViolation",
+    "KVOffloadError",
+    "MissingDependency",
+    "PageError",
+    "PoolExhausted",
+    "StorageError",
+]
+
+
+class KVOffloadError(Exception):
+    """Root of every error kvoffload raises on purpose."""
+
+
+class ConfigError(KVOffloadError, ValueError):
+    """An :class:`~kvoffload.OffloadConfig` value (or a backend/storage name) is invalid."""
+
+
+class InvalidTransition(KVOffloadError):
+    """An event that is illegal in the lifecycle's current state.
+
+    Raised before anything changes: the lifecycle, the pools and the counters are
+    exactly as they were.
+    """
+
+    def __init__(self, lifecycle: object, state: object, event: str) -> None:
+        self.lifecycle = lifecycle
+        self.state = state
+        self.event = event
+        super().__init__(
+            f"{lifecycle!r}: event {event!r} is not allowed in state {getattr(state, 'name', state)}"
+        )
+
+
+class InvalidTokens(KVOffloadError, ValueError):
+    """Token ids that are not a sequence of ints in ``[0, 2**32)``."""
+
+
+class PoolExhausted(KVOffloadError):
+    """A page pool has fewer free pages than asked for; nothing was allocated."""
+
+    def __init__(self, pool: str, wanted: int, free: int) -> None:
+        self.pool = pool
+        self.wanted = wanted
+        self.free = free
+        super().__init__(f"{pool} pool exhausted: {wanted} page(s) wanted, {free} free")
+
+
+class PageError(KVOffloadError):
+    """A page was freed twice, or a page number that the pool never handed out."""
+
+
+class BackendError(KVOffloadError):
+    """An event backend is unavailable (no GPU for ``"cuda"``) or failed a copy."""
+
+
+class StorageError(KVOffloadError):
+    """A storage tier could not be reached or refused a write or read."""
+
+
+class MissingDependency(KVOffloadError, ImportError):
+    """An optional dependency is not installed; the message names the extra."""
+
+
+class DrainTimeout(KVOffloadError):
+    """Leaving the manager waited ``drain_timeout_s`` and copies were still in flight.
+
+    Their pages were *not* freed (a page is never freed under a running copy).
+    """
+
+
+class InvariantViolation(KVOffloadError, AssertionError):
+    """``check_invariants()`` found the ledger out of balance: a kvoffload bug."""

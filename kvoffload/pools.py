@@ -1,0 +1,136 @@
+"""Device and host page pools.
+
+A pool is one torch tensor of ``n_pages`` pages (page-major: a page is one
+contiguous block of ``(page_size, *kv_shape)`` elements) plus a free list. Pools
+only hand out and take back page numbers; they never know about lifecycles.
+Allocation is all-or-nothing; freeing checks every page before it changes anything,
+so a double free raises :class:`~kvoffload.PageError` with the pool unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from kvoffload.errors import PageError, PoolExhausted
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DevicePool", "HostPool", "PagePool"]
+
+_P = TypeVar("_P", bound="PagePool")
+
+
+class PagePool:
+    """A fixed set of equally sized pages backed by one tensor.
+
+    Called from the event loop thread only (bookkeeping); backends read and write
+    ``tensor`` rows on their own threads, never the free list.
+    """
+
+    kind = "page"
+
+    __slots__ = ("_allocated", "_free", "n_pages", "page_shape", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.n_pages = int(tensor.shape[0])
+        self.page_shape = tuple(tensor.shape[1:])
+        # The free list, popped from the end (LIFO: a freed page is reused first, so
+        # a page freed too early is overwritten as soon as possible and shows up).
+        self._free: list[int] = list(range(self.n_pages - 1, -1, -1))
+        # _allocated[p] is 1 while page p is handed out.
+        # Invariant: len(self._free) + sum(self._allocated) == self.n_pages
+        self._allocated = bytearray(self.n_pages)
+
+    @classmethod
+    def create(
+        cls: type[_P],
+        n_pages: int,
+        page_size: int,
+        kv_shape: Sequence[int],
+        dtype: str,
+        device: str = "cpu",
+        pin_memory: bool = False,
+    ) -> _P:
+        """Allocate a zeroed pool tensor of ``n_pages`` pages."""
+        import torch
+
+        t = torch.zeros(
+            (n_pages, page_size, *kv_shape),
+            dtype=getattr(torch, dtype),
+            device=device,
+            pin_memory=pin_memory,
+        )
+        return cls(t)
+
+    @property
+    def used(self) -> int:
+        """Pages handed out and not yet returned."""
+        return self.n_pages - len(self._free)
+
+    @property
+    def free_pages(self) -> int:
+        """Pages available to allocate."""
+        return len(self._free)
+
+    def is_allocated(self, page: int) -> bool:
+        """Whether ``page`` is currently handed out."""
+        return bool(self._allocated[page])
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages or raise :class:`PoolExhausted` (nothing taken)."""
+        free = self._free
+        if n > len(free):
+            raise PoolExhausted(self.kind, n, len(free))
+        if n == 0:
+            return []
+        pages = free[-n:]
+        del free[-n:]
+        alloc = self._allocated
+        for p in pages:
+            alloc[p] = 1
+        return pages
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` pages, or return ``None`` when fewer are free (nothing taken)."""
+        if n > len(self._free):
+            return None
+        return self.allocate(n)
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages. Raises :class:`PageError` (nothing returned) on a page that is
+        not allocated, out of range, or named twice."""
+        pages = list(pages)
+        alloc = self._allocated
+        seen: set[int] = set()
+        for p in pages:
+            if not (0 <= p < self.n_pages) or not alloc[p] or p in seen:
+                raise PageError(f"{self.kind} page {p} freed but not allocated (double free?)")
+            seen.add(p)
+        for p in pages:
+            alloc[p] = 0
+        self._free.extend(reversed(pages))
+
+    def check(self) -> None:
+        """Assert the pool's own invariant (used by ``check_invariants``)."""
+        assert len(self._free) + sum(self._allocated) == self.n_pages, "pool free list out of sync"
+        assert len(set(self._free)) == len(self._free), "page on the free list twice"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.used}/{self.n_pages} used>"
+
+
+class DevicePool(PagePool):
+    """Pages of the engine's KV memory (on the GPU with ``cuda``, else a CPU tensor)."""
+
+    kind = "device"
+    __slots__ = ()
+
+
+class HostPool(PagePool):
+    """Host staging pages (pinned with ``cuda``) that chunks are copied into."""
+
+    kind = "host"
+    __slots__ = ()

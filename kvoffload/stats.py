@@ -1,0 +1,109 @@
+"""The manager's counters, and the frozen :class:`Statistics` snapshot of them.
+
+The ledger (ARCHITECTURE.md rule 6), checked by ``OffloadManager.check_invariants``:
+
+- ``admitted == live_lifecycles + released``
+- ``chunks_submitted == chunks_inflight + chunks_copied + chunks_discarded + chunks_failed``
+  (and the same for pages). A *dropped* chunk never got host pages, so it was never
+  submitted: drops are counted beside the ledger, not in it.
+- ``pages_copied == pages_stored + pages_store_failed + pages_in_write + pages_not_stored``
+- no count is negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["Counters", "Statistics"]
+
+
+@dataclass(slots=True)
+class Counters:
+    """Mutable counters, changed only by the manager on the event loop thread."""
+
+    admitted: int = 0
+    chunks_copied: int = 0
+    chunks_deferred: int = 0
+    chunks_discarded: int = 0
+    chunks_dropped: int = 0
+    chunks_failed: int = 0
+    chunks_inflight: int = 0
+    chunks_submitted: int = 0
+    pages_copied: int = 0
+    pages_discarded: int = 0
+    pages_dropped: int = 0
+    pages_failed: int = 0
+    pages_in_write: int = 0
+    pages_inflight: int = 0
+    pages_not_stored: int = 0
+    pages_store_failed: int = 0
+    pages_store_retried: int = 0
+    pages_stored: int = 0
+    pages_submitted: int = 0
+    released_aborted: int = 0
+    released_completed: int = 0
+    released_failed: int = 0
+    stuck_reports: int = 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every counter name."""
+        return tuple(f.name for f in fields(self))
+
+
+@dataclass(frozen=True, slots=True)
+class Statistics:
+    """A snapshot of a manager's state and counters (``OffloadManager.statistics()``)."""
+
+    live_lifecycles: int
+    """Lifecycles admitted and not yet RELEASED."""
+    pending: int
+    """Live lifecycles in PENDING."""
+    offloading: int
+    """Live lifecycles in OFFLOADING."""
+    finishing: int
+    """Live lifecycles in FINISHING."""
+    admitted: int
+    """Lifecycles ever admitted."""
+    released_completed: int
+    released_aborted: int
+    released_failed: int
+    device_pages_used: int
+    device_pages_total: int
+    host_pages_used: int
+    host_pages_total: int
+    chunks_inflight: int
+    """Chunks submitted to the backend whose completion has not been delivered."""
+    chunks_submitted: int
+    chunks_copied: int
+    """Chunks whose copy completed for a lifecycle that was not aborted."""
+    chunks_discarded: int
+    """Chunks whose copy completed after their lifecycle was aborted (not stored)."""
+    chunks_failed: int
+    """Chunks whose copy failed."""
+    chunks_dropped: int
+    """Chunks never submitted because the host pool was full (retried a stride later)."""
+    chunks_deferred: int
+    """Chunks that had to wait for host pages (``on_host_full="wait"``)."""
+    pages_inflight: int
+    pages_submitted: int
+    pages_copied: int
+    pages_discarded: int
+    pages_failed: int
+    pages_dropped: int
+    pages_stored: int
+    """Pages written to the storage tier."""
+    pages_store_failed: int
+    """Pages whose storage write failed (after retries); their host pages were returned."""
+    pages_store_retried: int
+    """Storage write attempts that were retried."""
+    pages_in_write: int
+    """Pages copied to the host and waiting for (or in) their storage write."""
+    pages_not_stored: int
+    """Pages copied while the manager had no storage tier."""
+    stuck_reports: int
+    """Watchdog reports of a lifecycle past ``stuck_after_s`` in OFFLOADING/FINISHING."""
+
+    def as_dict(self) -> dict[str, int]:
+        """The snapshot as a plain dict (for JSON and logs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
