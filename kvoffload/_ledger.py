@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import InvariantViolation
@@ -17,9 +18,9 @@ def check(mgr: OffloadManager) -> None:
     """Raise :class:`InvariantViolation` listing every broken rule."""
     problems: list[str] = []
 
-    def expect(ok: bool, what: str) -> None:
-        if not ok:
-            problems.append(what)
+    def expect(ok: bool, what: Callable[[], str]) -> None:
+        if not ok:  # messages are built only when a rule is broken
+            problems.append(what())
 
     c = mgr.counters
     cfg = mgr.config
@@ -28,86 +29,95 @@ def check(mgr: OffloadManager) -> None:
     released = c.released_completed + c.released_aborted + c.released_failed
     # Rule 6: admitted = live + released.
     expect(
-        c.admitted == len(live) + released, f"admitted {c.admitted} != live {len(live)} + released {released}"
+        c.admitted == len(live) + released,
+        lambda: f"admitted {c.admitted} != live {len(live)} + released {released}",
     )
     for name in c.names:
-        expect(getattr(c, name) >= 0, f"counter {name} is negative: {getattr(c, name)}")
+        expect(getattr(c, name) >= 0, lambda: f"counter {name} is negative: {getattr(c, name)}")
     counts = [0, 0, 0, 0]
     dev_pages: set[int] = set()
     dev_total = 0
     inflight_sum = 0
     for lc in live:
         counts[lc._s] += 1
-        expect(lc._s != 3, f"{lc!r} is RELEASED but still registered")
-        expect(lc.outcome is None, f"{lc!r} is live with outcome {lc.outcome}")
+        expect(lc._s != 3, lambda: f"{lc!r} is RELEASED but still registered")
+        expect(lc.outcome is None, lambda: f"{lc!r} is live with outcome {lc.outcome}")
         expect(
-            0 <= lc.submitted <= lc.committed, f"{lc!r}: submitted {lc.submitted} / committed {lc.committed}"
+            0 <= lc.submitted <= lc.committed,
+            lambda: f"{lc!r}: submitted {lc.submitted} / committed {lc.committed}",
         )
-        expect(lc.submitted % ps == 0, f"{lc!r}: submitted {lc.submitted} is not page-aligned")
-        expect(len(lc._tail) == lc.committed - lc.submitted, f"{lc!r}: tail length {len(lc._tail)}")
+        expect(lc.submitted % ps == 0, lambda: f"{lc!r}: submitted {lc.submitted} is not page-aligned")
+        expect(len(lc._tail) == lc.committed - lc.submitted, lambda: f"{lc!r}: tail length {len(lc._tail)}")
         expect(
             len(lc.device_pages) == -(-lc.committed // ps),
-            f"{lc!r}: {len(lc.device_pages)} device pages for {lc.committed} tokens",
+            lambda: f"{lc!r}: {len(lc.device_pages)} device pages for {lc.committed} tokens",
         )
-        expect(lc.inflight >= 0, f"{lc!r}: negative inflight")
+        expect(lc._cap == len(lc.device_pages) * ps, lambda: f"{lc!r}: capacity {lc._cap} out of sync")
+        expect(lc.inflight >= 0, lambda: f"{lc!r}: negative inflight")
         if lc._s == LifecycleState.PENDING.value:
-            expect(lc.inflight == 0, f"{lc!r} is PENDING with {lc.inflight} chunks in flight")
+            expect(lc.inflight == 0, lambda: f"{lc!r} is PENDING with {lc.inflight} chunks in flight")
         if lc._s == LifecycleState.OFFLOADING.value:
-            expect(lc.inflight > 0, f"{lc!r} is OFFLOADING with nothing in flight")
+            expect(lc.inflight > 0, lambda: f"{lc!r} is OFFLOADING with nothing in flight")
         if lc._deferred_since is not None:
-            expect(lc in mgr._deferred, f"{lc!r} is deferred but not queued")
+            expect(lc in mgr._deferred, lambda: f"{lc!r} is deferred but not queued")
         for p in lc.device_pages:
-            expect(p not in dev_pages, f"device page {p} held by two lifecycles")
+            expect(p not in dev_pages, lambda: f"device page {p} held by two lifecycles")
             dev_pages.add(p)
             expect(
-                mgr.device_pool.is_allocated(p), f"{lc!r} holds device page {p} that the pool thinks is free"
+                mgr.device_pool.is_allocated(p),
+                lambda: f"{lc!r} holds device page {p} that the pool thinks is free",
             )
         dev_total += len(lc.device_pages)
         inflight_sum += lc.inflight
-    expect(counts == mgr._state_counts, f"state counts {mgr._state_counts} != registry {counts}")
+    expect(counts == mgr._state_counts, lambda: f"state counts {mgr._state_counts} != registry {counts}")
     # Rule 2: device pages are held by live lifecycles only, exactly.
     expect(
         mgr.device_pool.used == dev_total,
-        f"device pool used {mgr.device_pool.used} != held by live lifecycles {dev_total}",
+        lambda: f"device pool used {mgr.device_pool.used} != held by live lifecycles {dev_total}",
     )
     # Rule 1 and 6: every in-flight transfer belongs to a live lifecycle; counts agree.
     expect(
         len(mgr._inflight) == c.chunks_inflight == inflight_sum,
-        f"in flight: {len(mgr._inflight)} transfers, counter {c.chunks_inflight}, lifecycles {inflight_sum}",
+        lambda: (
+            f"in flight: {len(mgr._inflight)} transfers, counter {c.chunks_inflight}, "
+            f"lifecycles {inflight_sum}"
+        ),
     )
     host_inflight = 0
     for t in mgr._inflight.values():
-        expect(t.lifecycle._s != 3, f"{t!r} in flight for a RELEASED lifecycle")
-        expect(t.lifecycle.id in mgr._live, f"{t!r} in flight for an unregistered lifecycle")
+        expect(t.lifecycle._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
+        expect(t.lifecycle.id in mgr._live, lambda: f"{t!r} in flight for an unregistered lifecycle")
         expect(
             set(t.device_pages) <= set(t.lifecycle.device_pages),
-            f"{t!r} reads device pages its lifecycle does not hold",
+            lambda: f"{t!r} reads device pages its lifecycle does not hold",
         )
         host_inflight += len(t.host_pages)
-    expect(host_inflight == c.pages_inflight, f"pages in flight {c.pages_inflight} != {host_inflight}")
+    expect(
+        host_inflight == c.pages_inflight, lambda: f"pages in flight {c.pages_inflight} != {host_inflight}"
+    )
     host_writes = sum(len(t.host_pages) for t in mgr._writes)
-    expect(host_writes == c.pages_in_write, f"pages in write {c.pages_in_write} != {host_writes}")
+    expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
     expect(
         mgr.host_pool.used == host_inflight + host_writes,
-        f"host pool used {mgr.host_pool.used} != in flight {host_inflight} + in write {host_writes}",
+        lambda: f"host pool used {mgr.host_pool.used} != in flight {host_inflight} + in write {host_writes}",
     )
     # Rule 6: the chunk and page ledgers.
     expect(
         c.chunks_submitted == c.chunks_inflight + c.chunks_copied + c.chunks_discarded + c.chunks_failed,
-        "chunks: submitted != inflight + copied + discarded + failed",
+        lambda: "chunks: submitted != inflight + copied + discarded + failed",
     )
     expect(
         c.pages_submitted == c.pages_inflight + c.pages_copied + c.pages_discarded + c.pages_failed,
-        "pages: submitted != inflight + copied + discarded + failed",
+        lambda: "pages: submitted != inflight + copied + discarded + failed",
     )
     expect(
         c.pages_copied == c.pages_stored + c.pages_store_failed + c.pages_in_write + c.pages_not_stored,
-        "pages: copied != stored + store_failed + in_write + not_stored",
+        lambda: "pages: copied != stored + store_failed + in_write + not_stored",
     )
     expect(
         all(lc._deferred_since is not None for lc in mgr._deferred),
-        "a non-deferred lifecycle is queued as deferred",
+        lambda: "a non-deferred lifecycle is queued as deferred",
     )
     try:
         mgr.device_pool.check()

@@ -128,8 +128,11 @@ class OffloadManager:
     ) -> bool | None:
         assert self._tg is not None
         timeout_error: DrainTimeout | None = None
+        # After an error in the body, copies that nobody will complete (sim) are not
+        # waited for; their pages stay allocated, so nothing is freed under them.
+        drain = exc is None or self.backend.completes_on_its_own
         try:
-            with anyio.fail_after(self.config.drain_timeout_s):
+            with anyio.fail_after(self.config.drain_timeout_s if drain else 0):
                 await self.wait_drained()
         except TimeoutError:
             stuck = list(self._inflight.values())
@@ -158,7 +161,7 @@ class OffloadManager:
                 finally:
                     if self.storage is not None:
                         await self.storage.aclose()
-        if timeout_error is not None and exc is None:
+        if timeout_error is not None and exc is None and drain:
             raise timeout_error
         return None
 
@@ -182,6 +185,7 @@ class OffloadManager:
         lc = Lifecycle(self, LifecycleId(self._next_id), rid, self.clock())
         self._next_id += 1
         lc.device_pages = pages
+        lc._cap = len(pages) * ps
         lc.committed = n
         aligned = n - n % ps
         if cfg.offload_prompt:
@@ -226,7 +230,7 @@ class OffloadManager:
 
         raise InvalidTransition(lc, STATES[lc._s], EVENT_NAMES[e])
 
-    def _fire(self, lc: Lifecycle, e: int) -> None:
+    def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
         """Apply event ``e`` to ``lc`` after its effect on the counts: one table step."""
         s = lc._s
         dest = TABLE[s][e][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
@@ -236,7 +240,7 @@ class OffloadManager:
             counts = self._state_counts
             counts[s] -= 1
             lc._s = dest
-            lc.state_since = self.clock()
+            lc.state_since = self.clock() if now is None else now
             if dest == _RELEASED:
                 if self._listeners or debug_enabled():
                     self._emit_transition(lc, s, dest, e)
@@ -256,6 +260,7 @@ class OffloadManager:
         need = -(-committed // ps) - len(lc.device_pages)
         if need > 0:
             lc.device_pages += self.device_pool.allocate(need)
+            lc._cap = len(lc.device_pages) * ps
         lc.committed = committed
         lc._tail += toks
         self._fire(lc, _EXTEND)
@@ -400,10 +405,10 @@ class OffloadManager:
         if self._inflight.pop(t.id, None) is None:
             raise KVOffloadError(f"{t!r} completed twice or was never submitted")
         lc = t.lifecycle
-        now = self.clock()
-        t.completed_at = now
+        t.completed_at = now = self.clock()
         t.error = error
-        npages = len(t.host_pages)
+        host = t.host_pages
+        npages = len(host)
         c = self.counters
         c.chunks_inflight -= 1
         c.pages_inflight -= npages
@@ -437,16 +442,12 @@ class OffloadManager:
                 c.pages_not_stored += npages
             if self._listeners or debug_enabled():
                 self._emit(
-                    "transfer.completed",
-                    lc,
-                    transfer=t.id,
-                    pages=npages,
-                    latency_s=now - t.submitted_at,
+                    "transfer.completed", lc, transfer=t.id, pages=npages, latency_s=now - t.submitted_at
                 )
         if free_host:
-            self.host_pool.free(t.host_pages)
-        self._fire(lc, e)
-        if lc.inflight == 0:
+            self.host_pool.free(host)
+        self._fire(lc, e, now)
+        if lc._quiet_ev is not None:
             self._notify_quiet(lc)
         if free_host and self._deferred:
             self._pump_deferred()

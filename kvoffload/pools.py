@@ -102,16 +102,16 @@ class PagePool:
     def free(self, pages: Iterable[int]) -> None:
         """Return pages. Raises :class:`PageError` (nothing returned) on a page that is
         not allocated, out of range, or named twice."""
-        pages = list(pages)
+        pages = pages if type(pages) is list else list(pages)
         alloc = self._allocated
-        seen: set[int] = set()
-        for p in pages:
-            if not (0 <= p < self.n_pages) or not alloc[p] or p in seen:
+        n = self.n_pages
+        for i, p in enumerate(pages):
+            if p < 0 or p >= n or not alloc[p]:  # not allocated, out of range, or named twice
+                for q in pages[:i]:
+                    alloc[q] = 1  # undo: the pool is as it was
                 raise PageError(f"{self.kind} page {p} freed but not allocated (double free?)")
-            seen.add(p)
-        for p in pages:
             alloc[p] = 0
-        self._free.extend(reversed(pages))
+        self._free.extend(pages)
 
     def check(self) -> None:
         """Assert the pool's own invariant (used by ``check_invariants``)."""

@@ -27,6 +27,7 @@ class SimBackend(EventBackend):
     """A copy backend driven by the test: ``pending``, ``complete(t)``, ``fail(t, error)``."""
 
     name = "sim"
+    completes_on_its_own = False
 
     def __init__(self) -> None:
         # pending: submitted transfers not yet completed or failed, in submission order.

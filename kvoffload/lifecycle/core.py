@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any, NewType
 
 import anyio
 
+from kvoffload._events import debug_enabled
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
+from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
 
 if TYPE_CHECKING:
     from kvoffload.manager import OffloadManager
@@ -25,6 +27,12 @@ LifecycleId = NewType("LifecycleId", int)
 
 #: States by table index (``LifecycleState.value``).
 STATES: tuple[LifecycleState, ...] = tuple(LifecycleState)
+
+_EXTEND = EVENT_INDEX["extend"]
+#: For each state: is ``extend`` a self-loop there under every condition? (From the table.)
+_EXTEND_SELF_LOOP: tuple[bool, ...] = tuple(
+    all(dest == s for dest in TABLE[s][_EXTEND]) for s in range(len(STATES))
+)
 
 
 class Lifecycle:
@@ -40,6 +48,7 @@ class Lifecycle:
     __slots__ = (
         "__weakref__",
         "_aborted",
+        "_cap",
         "_deferred_since",
         "_failed",
         "_log",
@@ -71,6 +80,8 @@ class Lifecycle:
     # chain_key: key of the page that ends at `submitted` (None before the first page).
     # due: `committed` at which the next chunk is due (a stride past the last attempt).
     # device_pages: the device pages holding this request's KV, in token order.
+    # _cap: tokens the device pages can hold; changed only where device pages are allocated.
+    # Invariant: self._cap == len(self.device_pages) * page_size
     # Invariant: len(self.device_pages) == ceil(self.committed / page_size) while live; [] once RELEASED
     # inflight: chunks submitted and not yet delivered.
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
@@ -88,6 +99,7 @@ class Lifecycle:
         self.chain_key: str | None = None
         self.due = 0
         self.device_pages: list[int] = []
+        self._cap = 0
         self.inflight = 0
         self._deferred_since: float | None = None
         self._failed = False
@@ -140,6 +152,24 @@ class Lifecycle:
         first: a full device pool raises :class:`~kvoffload.PoolExhausted` and
         changes nothing. Never blocks: a full host pool drops (or defers) the chunk.
         """
+        # Fast path, the common decode step: a list of valid token ids, in a state where
+        # extend is a pure self-loop (from the compiled table), no new page, no chunk due.
+        # Everything else - errors included - goes through the manager's full path.
+        if type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
+            tail = self._tail
+            n0 = len(tail)
+            committed = self.committed + len(tokens)
+            if committed <= self._cap and committed < self.due:
+                try:
+                    tail.extend(tokens)
+                except (TypeError, OverflowError, ValueError):
+                    del tail[n0:]  # atomic: the full path raises the typed error
+                else:
+                    self.committed = committed
+                    mgr = self._mgr
+                    if mgr._listeners or debug_enabled():
+                        mgr._emit_transition(self, self._s, self._s, _EXTEND)
+                    return
         self._mgr._extend(self, tokens)
 
     def finish(self) -> None:
