@@ -8,10 +8,7 @@ the ledger is checked and the statistics printed.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
-
-import structlog
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
@@ -54,6 +51,4 @@ async def main(requests: int = 24, seed: int = 0) -> kvo.Statistics:
 
 
 if __name__ == "__main__":
-    # An application chooses its log level; kvoffload never configures structlog.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     asyncio.run(main())

@@ -3,8 +3,11 @@ in-process listeners (the timeline recorder, tests).
 
 The library never configures structlog. Hot-path events (transitions, submissions,
 completions) are logged at debug level and are only *built* when someone would see
-them: when the configured structlog wrapper class lets debug through, or when a
-listener is attached. The gate costs two attribute reads while its answer is cached.
+them: when the application configured structlog and its wrapper class lets debug
+through, or when a listener is attached. An application that never configured
+structlog (structlog's default prints every level to stdout) gets kvoffload's
+warnings and errors, not a line per decode step. The gate costs a few attribute
+reads while its answer is cached.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["EVENT_NAMES", "Listener", "debug_enabled", "logger"]
+__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "debug_enabled", "logger"]
 
 #: Every event name kvoffload emits (docs/events.md lists them; a test checks).
 EVENT_NAMES: dict[str, str] = {
@@ -46,25 +49,45 @@ try:  # structlog's live configuration; read-only use, with a public fallback.
 except (ImportError, AttributeError):  # pragma: no cover - a future structlog
     _STRUCTLOG_CONFIG = None
 
+
+class _AskEveryTime:
+    is_configured = True
+
+
+#: structlog's live configuration object. Hot paths read ``STRUCTLOG.is_configured``
+#: first (one attribute read) and call :func:`debug_enabled` only when it is true, so
+#: with structlog unconfigured - its default - a level-off event costs one read.
+STRUCTLOG: Any = _STRUCTLOG_CONFIG if _STRUCTLOG_CONFIG is not None else _AskEveryTime()
+
 _cached_wrapper: object = None
-_cached_debug = True
+_cached_configured: object = None
+_cached_debug = False
 
 
 def debug_enabled() -> bool:
-    """Whether a structlog debug event would pass the configured level filter."""
-    global _cached_wrapper, _cached_debug
-    if _STRUCTLOG_CONFIG is None:  # pragma: no cover
-        wrapper = structlog.get_config()["wrapper_class"]
-    else:
-        wrapper = _STRUCTLOG_CONFIG.default_wrapper_class
-    if wrapper is _cached_wrapper:
+    """Whether kvoffload's debug events would be seen: structlog was configured by the
+    application and its wrapper class lets debug through."""
+    cfg = _STRUCTLOG_CONFIG
+    if (
+        cfg is not None
+        and cfg.default_wrapper_class is _cached_wrapper
+        and cfg.is_configured is _cached_configured
+    ):
         return _cached_debug
-    enabled = True
-    probe = getattr(wrapper, "is_enabled_for", None)
-    if probe is not None:
+    return _recompute()
+
+
+def _recompute() -> bool:
+    global _cached_wrapper, _cached_configured, _cached_debug
+    if _STRUCTLOG_CONFIG is None:  # pragma: no cover
+        wrapper, configured = structlog.get_config()["wrapper_class"], structlog.is_configured()
+    else:
+        wrapper, configured = _STRUCTLOG_CONFIG.default_wrapper_class, _STRUCTLOG_CONFIG.is_configured
+    enabled = bool(configured)
+    if enabled and getattr(wrapper, "is_enabled_for", None) is not None:
         try:
             enabled = bool(wrapper(structlog.PrintLogger(), [], {}).is_enabled_for(logging.DEBUG))
         except Exception:  # an exotic wrapper: assume it wants everything
             enabled = True
-    _cached_wrapper, _cached_debug = wrapper, enabled
+    _cached_wrapper, _cached_configured, _cached_debug = wrapper, configured, enabled
     return enabled

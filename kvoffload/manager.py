@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvoffload._events import Listener, debug_enabled, logger
+from kvoffload._events import STRUCTLOG, Listener, debug_enabled, logger
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import DrainTimeout, KVOffloadError
@@ -200,7 +200,7 @@ class OffloadManager:
         self._live[lc.id] = lc
         self._state_counts[0] += 1
         self.counters.admitted += 1
-        if self._listeners or debug_enabled():
+        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(pages))
         if cfg.offload_prompt and aligned:
             self._submit(lc, aligned)
@@ -242,12 +242,12 @@ class OffloadManager:
             lc._s = dest
             lc.state_since = self.clock() if now is None else now
             if dest == _RELEASED:
-                if self._listeners or debug_enabled():
+                if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
                     self._emit_transition(lc, s, dest, e)
                 self._release(lc)
                 return
             counts[dest] += 1
-        if self._listeners or debug_enabled():
+        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit_transition(lc, s, dest, e)
 
     def _extend(self, lc: Lifecycle, tokens: Sequence[int]) -> None:
@@ -324,7 +324,7 @@ class OffloadManager:
         c.chunks_inflight += 1
         c.pages_submitted += npages
         c.pages_inflight += npages
-        if self._listeners or debug_enabled():
+        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit(
                 "transfer.submitted", lc, transfer=t.id, pages=npages, tokens=n, first_token=t.first_token
             )
@@ -338,7 +338,7 @@ class OffloadManager:
                 lc._deferred_since = self.clock()
                 self._deferred.append(lc)
                 c.chunks_deferred += 1
-                if self._listeners or debug_enabled():
+                if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
                     self._emit("chunk.deferred", lc, pages=npages)
             return
         self._drop(lc, npages)
@@ -426,7 +426,7 @@ class OffloadManager:
             c.chunks_discarded += 1
             c.pages_discarded += npages
             e = _DONE
-            if self._listeners or debug_enabled():
+            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
                 self._emit("transfer.discarded", lc, transfer=t.id, pages=npages)
         else:
             c.chunks_copied += 1
@@ -440,7 +440,7 @@ class OffloadManager:
                     self._write_ev.set()
             else:
                 c.pages_not_stored += npages
-            if self._listeners or debug_enabled():
+            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
                 self._emit(
                     "transfer.completed", lc, transfer=t.id, pages=npages, latency_s=now - t.submitted_at
                 )
@@ -476,7 +476,7 @@ class OffloadManager:
             c.released_aborted += 1
         else:
             c.released_failed += 1
-        if self._listeners or debug_enabled():
+        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit("lifecycle.released", lc, outcome=outcome.value, device_pages=len(pages))
         ev = lc._released_ev
         if ev is not None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import pytest_asyncio
+import structlog
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
@@ -28,3 +29,12 @@ async def mgr(config: kvo.OffloadConfig, backend: SimBackend) -> AsyncIterator[k
         backend.complete_all()  # let the manager drain; tests leave nothing running
         await m.settle()
         m.check_invariants()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    """Each test starts and ends with structlog unconfigured (capture_logs leaves it
+    configured, which would turn kvoffload's debug events on for later tests)."""
+    structlog.reset_defaults()
+    yield
+    structlog.reset_defaults()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NewType
 
 import anyio
 
-from kvoffload._events import debug_enabled
+from kvoffload._events import STRUCTLOG, debug_enabled
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
@@ -167,7 +167,7 @@ class Lifecycle:
                 else:
                     self.committed = committed
                     mgr = self._mgr
-                    if mgr._listeners or debug_enabled():
+                    if mgr._listeners or (STRUCTLOG.is_configured and debug_enabled()):
                         mgr._emit_transition(self, self._s, self._s, _EXTEND)
                     return
         self._mgr._extend(self, tokens)
