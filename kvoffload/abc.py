@@ -139,6 +139,12 @@ class EventBackend(abc.ABC):
         """
 
     @property
+    def streams(self) -> int:
+        """Copy streams: a transfer's ``stream`` is in ``range(streams)``. Completions of
+        one stream come in submission order; streams are independent of each other."""
+        return 1
+
+    @property
     @abc.abstractmethod
     def signalled(self) -> int:
         """Completions made available to ``wait_completions`` so far (monotonic)."""
