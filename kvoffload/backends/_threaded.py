@@ -38,7 +38,6 @@ __all__ = [
     "CopyHooks",
     "Run",
     "StreamWorker",
-    "check_transfer",
     "plan_runs",
 ]
 
@@ -75,21 +74,6 @@ def plan_runs(device_pages: Sequence[int], host_pages: Sequence[int]) -> list[Ru
         runs.append(Run(pairs[i][0], j - i, dev, dev[0] if consecutive else None))
         i = j
     return runs
-
-
-def check_transfer(transfer: Transfer, device_pages: int, host_pages: int, streams: int) -> None:
-    """Raise :class:`~kvoffload.BackendError` (nothing started) if ``transfer`` cannot be
-    copied: page lists of different lengths, a page out of range, a host page named
-    twice, or a stream this backend does not have."""
-    dev, host = transfer.device_pages, transfer.host_pages
-    if len(dev) != len(host):
-        raise BackendError(f"{transfer!r}: {len(dev)} device page(s) but {len(host)} host page(s)")
-    if not 0 <= transfer.stream < streams:
-        raise BackendError(f"{transfer!r}: stream {transfer.stream} out of range (backend has {streams})")
-    if any(not 0 <= p < device_pages for p in dev):
-        raise BackendError(f"{transfer!r}: device page out of range [0, {device_pages}): {dev}")
-    if any(not 0 <= p < host_pages for p in host) or len(set(host)) != len(host):
-        raise BackendError(f"{transfer!r}: bad host pages for a pool of {host_pages}: {host}")
 
 
 @dataclass(slots=True)
@@ -325,7 +309,7 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
         if self._closed or not self._workers:
             raise BackendError(f"{self.name} backend is {'closed' if self._closed else 'not open'}")
         assert self._device is not None and self._host is not None
-        check_transfer(transfer, self._device.n_pages, self._host.n_pages, self._n_streams)
+        transfer.check_fits(self._device.n_pages, self._host.n_pages, self._n_streams)
         worker = self._workers[transfer.stream]
         worker.put(self._start(transfer, worker))
         self.submitted += 1
