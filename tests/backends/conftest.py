@@ -25,7 +25,11 @@ from kvoffload.pools import DevicePool, HostPool
 from kvoffload.testing import SimBackend
 
 CUDA = torch.cuda.is_available()
-NO_GPU = "no CUDA GPU here (torch.cuda.is_available() is False); the cuda backend's logic is tested on the CPU in test_cuda_logic.py"
+NO_GPU = (
+    "no CUDA GPU here (torch.cuda.is_available() is False); "
+    "the cuda backend's stream logic is tested on the CPU in test_cuda_logic.py"
+)
+
 
 def _make(name: str) -> EventBackend:
     """Each backend as the suite runs it: threaded ones with two streams."""

@@ -45,7 +45,9 @@ async def test_each_submitted_transfer_completes_exactly_once(harness: Harness) 
     """Completions arrive for exactly the transfers submitted, once each, and
     ``signalled`` counts them."""
     h = harness
-    ts = [h.make([2 * i, 2 * i + 1], [40 - 2 * i, 41 - 2 * i], stream=i % h.backend.streams) for i in range(12)]
+    ts = [
+        h.make([2 * i, 2 * i + 1], [40 - 2 * i, 41 - 2 * i], stream=i % h.backend.streams) for i in range(12)
+    ]
     for t in ts:
         h.backend.submit(t)
     got = await h.collect(len(ts))
@@ -65,7 +67,9 @@ async def test_completions_of_one_stream_come_in_submission_order(harness: Harne
     page = 0
     for i in range(16):
         n = 4 if i % 4 == 0 else 1
-        ts.append(h.make(list(range(page, page + n)), list(range(page, page + n)), stream=i % h.backend.streams))
+        ts.append(
+            h.make(list(range(page, page + n)), list(range(page, page + n)), stream=i % h.backend.streams)
+        )
         page += n
     for t in ts:
         h.backend.submit(t)

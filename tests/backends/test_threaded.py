@@ -106,7 +106,7 @@ def test_inbox_outside_asyncio_says_what_it_needs() -> None:
 
 
 def test_backends_are_chosen_by_name() -> None:
-    """"cpu" and "sim" by name; "auto" is cpu without a GPU and cuda with one; an
+    """ "cpu" and "sim" by name; "auto" is cpu without a GPU and cuda with one; an
     unknown name is a ConfigError listing the choices."""
     assert resolve_backend("cpu").name == "cpu"
     assert resolve_backend("sim").name == "sim"
