@@ -87,11 +87,15 @@ class EventStream(StreamWorker[InFlight]):
         hooks: CopyHooks,
         recycle: Callable[[CompletionEvent], None],
         stream: Any = None,
+        threaded: bool = True,
     ) -> None:
         super().__init__(name, inbox)
         self._hooks = hooks
         self._recycle = recycle
         self.stream = stream  # the side stream (torch.cuda.Stream), None in tests
+        # threaded: a waiter thread runs finish(); in poll mode only done_nowait() runs,
+        # so hooks.before (which may block) is not applied there.
+        self._threaded = threaded
 
     def transfer_of(self, item: InFlight) -> Transfer:
         return item.transfer
@@ -116,7 +120,7 @@ class EventStream(StreamWorker[InFlight]):
         return self._consumed(item)
 
     def done_nowait(self, item: InFlight) -> Completion | None:
-        if self._hooks.before is not None or not item.event.query():
+        if (self._threaded and self._hooks.before is not None) or not item.event.query():
             return None  # with a before-hook every item goes through finish()
         return self._consumed(item)
 
@@ -201,7 +205,8 @@ class CudaBackend(ThreadedBackend[InFlight]):
 
     def _make_worker(self, index: int) -> EventStream:
         stream = self._torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        return EventStream(f"kvoffload.cuda-wait-{index}", self.inbox, self.hooks, self._events.put, stream)
+        name = f"kvoffload.cuda-wait-{index}"
+        return EventStream(name, self.inbox, self.hooks, self._events.put, stream, self._run_threads)
 
     def _start(self, transfer: Transfer, worker: StreamWorker[InFlight]) -> InFlight:
         """Queue ``transfer``'s copy on the side stream after the compute stream's work."""

@@ -5,10 +5,12 @@ the CPU, driven by fake events; and its behaviour without a GPU. The GPU-only ch
 from __future__ import annotations
 
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
+import pytest_asyncio
 import torch
 
 import kvoffload as kvo
@@ -50,9 +52,40 @@ class _T:
         self.id = i
 
 
-def _stream(inbox: CompletionInbox, hooks: CopyHooks | None = None) -> tuple[EventStream, list[Any]]:
-    recycled: list[Any] = []
-    return EventStream("test-stream", inbox, hooks or CopyHooks(), recycled.append), recycled
+class Rig:
+    """An EventStream on a bound inbox, its recycled events, and the items put so far."""
+
+    def __init__(self, hooks: CopyHooks | None = None, threaded: bool = True) -> None:
+        self.inbox = CompletionInbox()
+        self.inbox.bind()
+        self.recycled: list[Any] = []
+        self.stream = EventStream(
+            "test-stream", self.inbox, hooks or CopyHooks(), self.recycled.append, None, threaded
+        )
+        self.events: list[FakeEvent] = []
+
+    def put(self, *events: FakeEvent) -> None:
+        for e in events:
+            self.stream.put(InFlight(_T(len(self.events)), e))  # type: ignore[arg-type]
+            self.events.append(e)
+
+    async def collect(self, n: int) -> list[Any]:
+        got: list[Any] = []
+        with anyio.fail_after(20):
+            while len(got) < n:
+                got.extend(await self.inbox.wait())
+        return got
+
+
+@pytest_asyncio.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r = Rig()
+    yield r
+    for e in r.events:
+        e.done.set()
+    r.stream.close()
+    if r.stream.is_alive():
+        await anyio.to_thread.run_sync(r.stream.join)
 
 
 async def _wait_until(flag: threading.Event) -> None:
@@ -62,113 +95,107 @@ async def _wait_until(flag: threading.Event) -> None:
 
 
 @pytest.mark.asyncio
-async def test_waiter_delivers_every_completed_head_in_one_batch_in_order() -> None:
-    """Events 2 and 3 complete before 1: the waiter blocks on 1 (the oldest), then
-    posts 1, 2, 3 together, in submission order; nothing is posted before 1 is done."""
-    inbox = CompletionInbox()
-    inbox.bind()
-    s, recycled = _stream(inbox)
+async def test_waiter_delivers_every_completed_head_in_one_batch_in_order(rig: Rig) -> None:
+    """Events 1 and 2 complete before 0: the waiter blocks on 0 (the oldest), then
+    posts 0, 1, 2 together, in submission order; nothing is posted before 0 is done."""
     evs = [FakeEvent(f"e{i}") for i in range(3)]
-    ts = [_T(i) for i in range(3)]
     evs[1].done.set()
     evs[2].done.set()
-    s.start()
-    for t, e in zip(ts, evs, strict=True):
-        s.put(InFlight(t, e))  # type: ignore[arg-type]
+    rig.stream.start()
+    rig.put(*evs)
     await _wait_until(evs[0].waiting)
-    assert inbox.signalled == 0 and recycled == []  # no event reused before it was consumed
+    assert rig.inbox.signalled == 0 and rig.recycled == []  # no event reused before consumed
     evs[0].done.set()
     with anyio.fail_after(20):
-        batch = await inbox.wait()
-    assert [t for t, _ in batch] == ts and all(err is None for _, err in batch)
-    assert recycled == evs
+        batch = await rig.inbox.wait()  # one batch: the waiter posted all three at once
+    assert [t.id for t, _ in batch] == [0, 1, 2] and all(err is None for _, err in batch)
+    assert rig.recycled == evs
     assert evs[1].syncs == evs[2].syncs == 0  # the query fast path: no blocking wait
-    s.close()
-    await anyio.to_thread.run_sync(s.join)
 
 
 @pytest.mark.asyncio
-async def test_waiter_takes_the_query_fast_path_for_a_finished_event() -> None:
+async def test_waiter_takes_the_query_fast_path_for_a_finished_event(rig: Rig) -> None:
     """An event already complete at the waiter's first look is never synchronized."""
-    inbox = CompletionInbox()
-    inbox.bind()
-    s, recycled = _stream(inbox)
     e = FakeEvent("e")
     e.done.set()
-    s.put(InFlight(_T(1), e))  # type: ignore[arg-type]
-    s.start()
-    with anyio.fail_after(20):
-        [(t, err)] = await inbox.wait()
-    assert t.id == 1 and err is None and e.syncs == 0 and recycled == [e]
-    s.close()
-    await anyio.to_thread.run_sync(s.join)
+    rig.put(e)
+    rig.stream.start()
+    [(t, err)] = await rig.collect(1)
+    assert t.id == 0 and err is None and e.syncs == 0 and rig.recycled == [e]
 
 
 @pytest.mark.asyncio
-async def test_a_failed_event_fails_its_transfer_only_and_is_not_reused() -> None:
+async def test_a_failed_event_fails_its_transfer_only_and_is_not_reused(rig: Rig) -> None:
     """A CUDA error on one event fails that transfer; later ones still complete; the
     failed event is not returned to the pool."""
-    inbox = CompletionInbox()
-    inbox.bind()
-    s, recycled = _stream(inbox)
     boom = RuntimeError("CUDA error: an illegal memory access")
     evs = [FakeEvent("a"), FakeEvent("b", error=boom), FakeEvent("c")]
     for e in evs:
         e.done.set()
-    s.start()
-    for i, e in enumerate(evs):
-        s.put(InFlight(_T(i), e))  # type: ignore[arg-type]
-    got: list[Any] = []
-    with anyio.fail_after(20):
-        while len(got) < 3:
-            got.extend(await inbox.wait())
+    rig.stream.start()
+    rig.put(*evs)
+    got = await rig.collect(3)
     assert [t.id for t, _ in got] == [0, 1, 2]
     assert [err for _, err in got] == [None, boom, None]
-    assert recycled == [evs[0], evs[2]]
-    s.close()
-    await anyio.to_thread.run_sync(s.join)
+    assert rig.recycled == [evs[0], evs[2]]
 
 
 @pytest.mark.asyncio
-async def test_close_drains_the_waiter_before_its_thread_exits() -> None:
-    """close() with events pending: the thread waits for each, posts them, then exits."""
-    inbox = CompletionInbox()
-    inbox.bind()
-    s, _ = _stream(inbox)
-    evs = [FakeEvent(str(i)) for i in range(3)]
-    s.start()
-    for i, e in enumerate(evs):
-        s.put(InFlight(_T(i), e))  # type: ignore[arg-type]
-    s.close()
-    with pytest.raises(kvo.BackendError):
-        s.put(InFlight(_T(9), FakeEvent("late")))  # type: ignore[arg-type]
+async def test_an_injected_failure_is_reported_after_the_copy_ended() -> None:
+    """hooks.before failing a transfer: the waiter still waits for its event (the copy
+    may be writing the host pages), then reports the error for that transfer only."""
+    boom = RuntimeError("injected")
+    r = Rig(CopyHooks(before=lambda t: boom if t.id == 0 else None))
+    evs = [FakeEvent("a"), FakeEvent("b")]
+    evs[1].done.set()
+    r.stream.start()
+    r.put(*evs)
     await _wait_until(evs[0].waiting)
-    assert s.is_alive()
+    assert r.inbox.signalled == 0
+    evs[0].done.set()
+    got = await r.collect(2)
+    assert [(t.id, err) for t, err in got] == [(0, boom), (1, None)]
+    r.stream.close()
+    await anyio.to_thread.run_sync(r.stream.join)
+
+
+@pytest.mark.asyncio
+async def test_close_drains_the_waiter_before_its_thread_exits(rig: Rig) -> None:
+    """close() with events pending: the thread waits for each, posts them, then exits."""
+    evs = [FakeEvent(str(i)) for i in range(3)]
+    rig.stream.start()
+    rig.put(*evs)
+    rig.stream.close()
+    with pytest.raises(kvo.BackendError):
+        rig.put(FakeEvent("late"))
+    await _wait_until(evs[0].waiting)
+    assert rig.stream.is_alive()
     for e in evs:
         e.done.set()
-    await anyio.to_thread.run_sync(s.join)
-    assert [t.id for t, _ in inbox.take_nowait()] == [0, 1, 2] and s.queued == 0
+    await anyio.to_thread.run_sync(rig.stream.join)
+    assert [t.id for t, _ in rig.inbox.take_nowait()] == [0, 1, 2] and rig.stream.queued == 0
 
 
 @pytest.mark.asyncio
 async def test_poll_mode_delivers_only_from_the_head_in_order() -> None:
     """The polling fallback (no thread): a later event done first is not delivered
-    before the oldest; once the oldest is done both come in one batch, in order."""
-    inbox = CompletionInbox()
-    inbox.bind()
-    s, recycled = _stream(inbox)
+    before the oldest; once the oldest is done both come in one batch, in order. The
+    copy-end hook runs; the before-hook (which may block) does not, on the loop."""
+    ended: list[int] = []
+    rig = Rig(
+        CopyHooks(before=lambda t: RuntimeError("must not run"), after=lambda t: ended.append(t.id)), False
+    )
     e1, e2 = FakeEvent("1"), FakeEvent("2")
-    s.put(InFlight(_T(1), e1))  # type: ignore[arg-type]
-    s.put(InFlight(_T(2), e2))  # type: ignore[arg-type]
+    rig.put(e1, e2)
     e2.done.set()
     with anyio.move_on_after(0.05) as scope:
-        await poll_completions([s], inbox)
-    assert scope.cancelled_caught and inbox.signalled == 0 and recycled == []
+        await poll_completions([rig.stream], rig.inbox)
+    assert scope.cancelled_caught and rig.inbox.signalled == 0 and rig.recycled == []
     e1.done.set()
     with anyio.fail_after(20):
-        batch = await poll_completions([s], inbox)
-    assert [t.id for t, _ in batch] == [1, 2] and recycled == [e1, e2]
-    assert e1.syncs == e2.syncs == 0  # polling never blocks
+        batch = await poll_completions([rig.stream], rig.inbox)
+    assert [(t.id, err) for t, err in batch] == [(0, None), (1, None)] and rig.recycled == [e1, e2]
+    assert e1.syncs == e2.syncs == 0 and ended == [0, 1]  # polling never blocks
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is present: the no-GPU error cannot be shown")
