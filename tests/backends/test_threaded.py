@@ -130,3 +130,38 @@ async def test_the_manager_defaults_to_auto() -> None:
         await lc.wait_released()
         assert lc.outcome is kvo.Outcome.COMPLETED
         mgr.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch error inside one copy is that transfer's failure; the worker thread
+    lives on and copies the next transfer."""
+    import kvoffload.backends.cpu as cpu_mod
+    from kvoffload.abc import Transfer
+
+    real = cpu_mod.copy_pages
+    boom = RuntimeError("copy failed")
+
+    def flaky(device: Any, host: Any, t: Transfer) -> None:
+        if t.device_pages == [1]:
+            raise boom
+        real(device, host, t)
+
+    monkeypatch.setattr(cpu_mod, "copy_pages", flaky)
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=4, host_pages=4, dtype="float32")
+    b = CpuBackend()
+    dev, host = b.create_pools(config)
+    dev.tensor.normal_()
+    b.open(dev, host)
+    ts = [Transfer(object(), [p], [p], [], 0, 4, 0.0) for p in range(3)]  # type: ignore[arg-type]
+    for t in ts:
+        b.submit(t)
+    got: list[Any] = []
+    with anyio.fail_after(20):
+        while len(got) < 3:
+            got.extend(await b.wait_completions())
+    assert [(t.device_pages, err) for t, err in got] == [([0], None), ([1], boom), ([2], None)]
+    assert torch.equal(host.tensor[[0, 2]], dev.tensor[[0, 2]])
+    await b.aclose()
