@@ -28,6 +28,7 @@ Importing this module does not import torch; the stream and event logic
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -188,9 +189,11 @@ class CudaBackend(ThreadedBackend[InFlight]):
         if completion not in ("waiter", "poll"):
             raise ConfigError(f"completion must be 'waiter' or 'poll', got {completion!r}")
         self._torch = torch
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        )
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ConfigError(f"device must be a CUDA device (an index, 'cuda' or 'cuda:N'), got {device!r}")
+        # Invariant: self.device.index is not None (the pools and streams name one GPU).
+        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.completion = completion
         self._run_threads = completion == "waiter"
         self._events = _EventPool(lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
@@ -241,10 +244,9 @@ class CudaBackend(ThreadedBackend[InFlight]):
         except Exception as e:
             # Part of the copy may be queued: let it end before the caller frees the host
             # pages (an error path; the loop waits here only when a launch failed).
-            try:
+            with contextlib.suppress(Exception):
                 side.synchronize()
-            finally:
-                raise BackendError(f"{transfer!r}: could not start the copy: {e!r}") from e
+            raise BackendError(f"{transfer!r}: could not start the copy: {e!r}") from e
         return InFlight(transfer, event, keep)
 
     async def wait_completions(self) -> list[Completion]:
