@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompletionInbox",
-    "ThreadedBackend",
     "CopyHooks",
     "Run",
     "StreamWorker",
+    "ThreadedBackend",
     "plan_runs",
 ]
 
@@ -247,8 +247,8 @@ class StreamWorker(threading.Thread, Generic[_Item]):
             while q:
                 try:
                     c = self.done_nowait(q[0])
-                except BaseException:
-                    break  # finish() reports it when it reaches the head
+                except BaseException as e:  # e.g. a CUDA error on this event: this transfer fails
+                    c = (self.transfer_of(q[0]), e)
                 if c is None:
                     break
                 q.popleft()

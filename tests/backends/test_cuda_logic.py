@@ -180,7 +180,8 @@ async def test_close_drains_the_waiter_before_its_thread_exits(rig: Rig) -> None
 async def test_poll_mode_delivers_only_from_the_head_in_order() -> None:
     """The polling fallback (no thread): a later event done first is not delivered
     before the oldest; once the oldest is done both come in one batch, in order. The
-    copy-end hook runs; the before-hook (which may block) does not, on the loop."""
+    copy-end hook runs; the before-hook (which may block) does not, on the loop. A CUDA
+    error on an event fails that transfer (polling does not stall on it)."""
     ended: list[int] = []
     rig = Rig(
         CopyHooks(before=lambda t: RuntimeError("must not run"), after=lambda t: ended.append(t.id)), False
@@ -196,6 +197,13 @@ async def test_poll_mode_delivers_only_from_the_head_in_order() -> None:
         batch = await poll_completions([rig.stream], rig.inbox)
     assert [(t.id, err) for t, err in batch] == [(0, None), (1, None)] and rig.recycled == [e1, e2]
     assert e1.syncs == e2.syncs == 0 and ended == [0, 1]  # polling never blocks
+    boom = RuntimeError("CUDA error: unspecified launch failure")
+    e3 = FakeEvent("3", error=boom)
+    e3.done.set()
+    rig.put(e3)
+    with anyio.fail_after(20):
+        [(t, err)] = await poll_completions([rig.stream], rig.inbox)
+    assert t.id == 2 and err is boom and e3 not in rig.recycled  # a failed event is not reused
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is present: the no-GPU error cannot be shown")
