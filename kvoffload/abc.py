@@ -79,6 +79,23 @@ class Transfer:
         self.completed_at: float | None = None
         self.error: BaseException | None = None
 
+    def check_fits(self, device_pages: int, host_pages: int, streams: int) -> None:
+        """Raise :class:`~kvoffload.BackendError` unless this transfer can be copied between
+        pools of ``device_pages`` and ``host_pages`` pages on a backend with ``streams``
+        streams: page lists of equal length, every page in range, no host page named twice.
+        Backends call it in ``submit`` before starting anything."""
+        from kvoffload.errors import BackendError
+
+        dev, host = self.device_pages, self.host_pages
+        if len(dev) != len(host):
+            raise BackendError(f"{self!r}: {len(dev)} device page(s) but {len(host)} host page(s)")
+        if not 0 <= self.stream < streams:
+            raise BackendError(f"{self!r}: stream {self.stream} out of range (the backend has {streams})")
+        if any(not 0 <= p < device_pages for p in dev):
+            raise BackendError(f"{self!r}: device page out of range [0, {device_pages}): {dev}")
+        if any(not 0 <= p < host_pages for p in host) or len(set(host)) != len(host):
+            raise BackendError(f"{self!r}: bad host pages for a pool of {host_pages}: {host}")
+
     @property
     def pages(self) -> int:
         """Number of pages copied by this transfer."""
@@ -141,6 +158,12 @@ class EventBackend(abc.ABC):
         Each completion is returned once, in per-stream submission order. Only the
         manager's delivery task calls this.
         """
+
+    @property
+    def streams(self) -> int:
+        """Copy streams: a transfer's ``stream`` is in ``range(streams)``. Completions of
+        one stream come in submission order; streams are independent of each other."""
+        return 1
 
     @property
     @abc.abstractmethod

@@ -48,8 +48,9 @@ _spec_validated = False
 class OffloadManager:
     """Offloads the KV of admitted requests, chunk by chunk, while they decode.
 
-    ``async with OffloadManager(config, backend="sim", storage=None) as mgr:`` — the
-    backend and storage are a name (``"sim"``, ``"cpu"``, ``"cuda"``; ``"memory"``, a
+    ``async with OffloadManager(config, backend="auto", storage=None) as mgr:`` — the
+    backend and storage are a name (``"auto"``: cuda with a GPU, else cpu; ``"sim"``,
+    ``"cpu"``, ``"cuda"``, which raises :class:`~kvoffload.BackendError` without a GPU; ``"memory"``, a
     directory path, a ``redis://`` URL) or an instance. Leaving the context waits for
     in-flight copies (F16), at most ``config.drain_timeout_s``.
 
@@ -60,7 +61,7 @@ class OffloadManager:
         self,
         config: OffloadConfig,
         *,
-        backend: str | EventBackend = "sim",
+        backend: str | EventBackend = "auto",
         storage: str | Storage | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -307,7 +308,8 @@ class OffloadManager:
         packed = pack_tokens(lc._tail[:n])
         keys = chain_keys_packed(lc.chain_key, packed, ps)
         now = self.clock()
-        t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now)
+        stream = lc.id % self.backend.streams  # a lifecycle's chunks share one stream, in order
+        t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
         try:
             self.backend.submit(t)
         except BaseException:

@@ -55,6 +55,8 @@ class SimBackend(EventBackend):
         """Record ``transfer`` as pending; nothing is copied yet."""
         if self._closed:
             raise BackendError("SimBackend is closed")
+        if self._device is not None and self._host is not None:
+            transfer.check_fits(self._device.n_pages, self._host.n_pages, self.streams)
         self.pending.append(transfer)
         self.submitted += 1
 

@@ -1,0 +1,338 @@
+"""What the cpu and cuda backends share: copy plans, stream threads, the loop inbox.
+
+Both backends do their blocking work (a torch copy; waiting on a CUDA event) on one
+thread per copy stream and hand completions back to the event loop the same way:
+
+- :class:`CompletionInbox` - worker threads ``post()`` completions under a lock; the
+  loop is woken with **one** ``call_soon_threadsafe`` per wake-up (only when no wake-up
+  is already scheduled), and ``wait()`` returns everything posted so far as one batch.
+- :class:`StreamWorker` - a thread with a FIFO of in-flight items. It finishes the head
+  (blocking, off the loop), then takes every following item that is already done
+  without blocking, and posts them as one batch: per-stream order is submission order.
+  ``close()`` lets it drain what was queued; ``join`` returns once no copy runs.
+- :func:`plan_runs` - a transfer's (device page, host page) pairs grouped into runs
+  of consecutive host pages, so a copy is a few large block copies, not one per page.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+
+from kvoffload.abc import Completion, EventBackend, Transfer
+from kvoffload.errors import BackendError, ConfigError
+
+if TYPE_CHECKING:
+    from kvoffload.pools import DevicePool, HostPool
+
+__all__ = [
+    "CompletionInbox",
+    "CopyHooks",
+    "Run",
+    "StreamWorker",
+    "ThreadedBackend",
+    "plan_runs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``count`` consecutive host pages from ``host_start`` take device pages ``device``
+    (in that order). ``device_start`` is set when those device pages are consecutive
+    too (one block copy); else the copy gathers ``device``."""
+
+    host_start: int
+    count: int
+    device: tuple[int, ...]
+    device_start: int | None
+
+
+def plan_runs(device_pages: Sequence[int], host_pages: Sequence[int]) -> list[Run]:
+    """Group a transfer's page pairs by runs of consecutive host pages (ascending).
+
+    Page-major pools make a run of pages one contiguous block, so each run is one
+    block copy (or one gather into a block). Pairs are reordered by host page, which
+    changes nothing about which bytes land where.
+    """
+    pairs = sorted(zip(host_pages, device_pages, strict=True))
+    runs: list[Run] = []
+    i = 0
+    n = len(pairs)
+    while i < n:
+        j = i + 1
+        while j < n and pairs[j][0] == pairs[j - 1][0] + 1:
+            j += 1
+        dev = tuple(p[1] for p in pairs[i:j])
+        consecutive = all(dev[k] == dev[0] + k for k in range(len(dev)))
+        runs.append(Run(pairs[i][0], j - i, dev, dev[0] if consecutive else None))
+        i = j
+    return runs
+
+
+@dataclass(slots=True)
+class CopyHooks:
+    """Test and benchmark hooks, called on the stream thread (never on the loop).
+
+    ``before(t)`` runs before ``t``'s completion is decided (cpu: before its copy; cuda:
+    before waiting for its event); it may block (tests hold a copy in flight with a
+    ``threading.Event``) and may return an exception to fail ``t``. ``after(t)`` runs
+    once ``t``'s bytes are on the host, before its completion is posted.
+    """
+
+    before: Callable[[Transfer], BaseException | None] | None = None
+    after: Callable[[Transfer], None] | None = None
+
+
+class CompletionInbox:
+    """Completions handed from stream threads to the event loop, in batches.
+
+    ``bind()`` on the loop thread first; ``post()`` from any thread; ``wait()`` from the
+    loop's one delivery task.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # _ready: posted, not yet returned by wait(); guarded by _lock.
+        self._ready: deque[Completion] = deque()
+        # _scheduled: a wake-up is queued on the loop and has not run yet (guarded by _lock).
+        # Invariant: self._ready and not self._scheduled -> the loop is running wait() or
+        # will find _ready non-empty before it awaits (no completion is ever stranded).
+        self._scheduled = False
+        # _signalled: completions ever posted (monotonic); written under _lock.
+        self._signalled = 0
+        self._event: anyio.Event | None = None
+        self._call_soon: Callable[[Callable[[], Any]], Any] | None = None
+        self.wakeups = 0  # loop wake-ups scheduled (for benchmarks and tests)
+
+    def bind(self) -> None:
+        """Remember the running asyncio loop. Call on the loop thread (``open``)."""
+        import asyncio
+
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise BackendError(
+                "the cpu/cuda backends hand completions to a running asyncio loop; "
+                "open the manager inside asyncio (anyio on its asyncio backend)"
+            ) from None
+        self._call_soon = loop.call_soon_threadsafe
+
+    @property
+    def signalled(self) -> int:
+        return self._signalled
+
+    def post(self, batch: list[Completion]) -> None:
+        """Hand ``batch`` to the loop (any thread). Wakes the loop at most once per wake-up."""
+        with self._lock:
+            self._ready.extend(batch)
+            self._signalled += len(batch)
+            if self._scheduled or self._call_soon is None:
+                return
+            self._scheduled = True
+            self.wakeups += 1
+        try:
+            self._call_soon(self._wake)
+        except RuntimeError:  # the loop is closed; nobody is left to wake
+            with self._lock:
+                self._scheduled = False
+
+    def _wake(self) -> None:
+        """Runs on the loop thread."""
+        with self._lock:
+            self._scheduled = False
+        ev = self._event
+        if ev is not None:
+            self._event = None
+            ev.set()
+
+    def take_nowait(self) -> list[Completion]:
+        """Everything posted and not yet taken (may be empty). Loop thread."""
+        with self._lock:
+            batch = list(self._ready)
+            self._ready.clear()
+        return batch
+
+    async def wait(self) -> list[Completion]:
+        """Wait until at least one completion was posted; return all of them, in order."""
+        while True:
+            batch = self.take_nowait()
+            if batch:
+                return batch
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
+
+
+_Item = TypeVar("_Item")
+
+
+class StreamWorker(threading.Thread, Generic[_Item]):
+    """One copy stream: a thread working through a FIFO of in-flight items in order.
+
+    Subclasses give ``finish(item)`` (block until ``item`` is done; return its
+    completion - called off the lock, on this thread) and may give ``done_nowait(item)``
+    (its completion if already done without blocking, else ``None``). After finishing the
+    head, the worker also takes every following item that is already done, and posts the
+    whole batch with one :meth:`CompletionInbox.post`.
+    """
+
+    def __init__(self, name: str, inbox: CompletionInbox) -> None:
+        super().__init__(name=name, daemon=True)
+        self._inbox = inbox
+        self._cv = threading.Condition()
+        # _queue: submitted and not yet posted, in submission order (guarded by _cv).
+        self._queue: deque[_Item] = deque()
+        # _closing: no new item is accepted; the thread exits once _queue is empty.
+        self._closing = False
+
+    def put(self, item: _Item) -> None:
+        """Queue ``item`` (loop thread). Raises :class:`BackendError` once closing."""
+        with self._cv:
+            if self._closing:
+                raise BackendError(f"{self.name} is closed")
+            self._queue.append(item)
+            self._cv.notify()
+
+    def close(self) -> None:
+        """Accept nothing more; the thread exits once every queued item is posted."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+
+    @property
+    def queued(self) -> int:
+        """Items submitted and not yet posted."""
+        return len(self._queue)
+
+    def finish(self, item: _Item) -> Completion:
+        raise NotImplementedError
+
+    def transfer_of(self, item: _Item) -> Transfer:
+        raise NotImplementedError
+
+    def done_nowait(self, item: _Item) -> Completion | None:
+        return None
+
+    def run(self) -> None:
+        q, cv = self._queue, self._cv
+        while True:
+            with cv:
+                while not q and not self._closing:
+                    cv.wait()
+                if not q:
+                    return
+                head = q[0]
+            try:
+                first = self.finish(head)
+            except BaseException as e:  # a bug or an unexpected error: fail this transfer only
+                first = (self.transfer_of(head), e)
+            with cv:
+                q.popleft()
+                batch = [first, *self.take_done()]
+            self._inbox.post(batch)
+
+    def take_done(self) -> list[Completion]:
+        """Pop every item at the head that is done without blocking, in order (any thread;
+        the poll mode of the cuda backend calls it from the loop instead of a thread)."""
+        batch: list[Completion] = []
+        q = self._queue
+        with self._cv:
+            while q:
+                try:
+                    c = self.done_nowait(q[0])
+                except BaseException as e:  # e.g. a CUDA error on this event: this transfer fails
+                    c = (self.transfer_of(q[0]), e)
+                if c is None:
+                    break
+                q.popleft()
+                batch.append(c)
+        return batch
+
+
+class ThreadedBackend(EventBackend, Generic[_Item]):
+    """An event backend whose copies are tracked by one :class:`StreamWorker` per stream.
+
+    Subclasses give ``_make_worker(i)`` and ``_start(transfer, worker)`` (start the copy,
+    or only queue it, without blocking; return the item to queue). Everything the loop
+    sees - ``submit``, ``wait_completions``, ``signalled``, ``aclose`` - is here.
+    """
+
+    def __init__(self, streams: int = 1) -> None:
+        if type(streams) is not int or streams < 1:
+            raise ConfigError(f"streams must be a positive int, got {streams!r}")
+        self._n_streams = streams
+        self.inbox = CompletionInbox()
+        self.hooks = CopyHooks()
+        # _workers: one per stream, started by open(); empty before open and after aclose.
+        self._workers: list[StreamWorker[_Item]] = []
+        self._device: DevicePool | None = None
+        self._host: HostPool | None = None
+        self._closed = False
+        self.submitted = 0
+        # Whether open() starts the stream threads (the cuda poll mode does not).
+        self._run_threads = True
+
+    @property
+    def streams(self) -> int:
+        return self._n_streams
+
+    def _make_worker(self, index: int) -> StreamWorker[_Item]:
+        raise NotImplementedError
+
+    def _start(self, transfer: Transfer, worker: StreamWorker[_Item]) -> _Item:
+        raise NotImplementedError
+
+    def open(self, device: DevicePool, host: HostPool) -> None:
+        """Bind the pools and the running loop; start one thread per stream (loop thread)."""
+        if self._workers or self._closed:
+            raise BackendError(f"{self.name} backend opened twice")
+        self.inbox.bind()
+        self._device, self._host = device, host
+        self._workers = [self._make_worker(i) for i in range(self._n_streams)]
+        if self._run_threads:
+            for w in self._workers:
+                w.start()
+
+    def submit(self, transfer: Transfer) -> None:
+        """Start ``transfer``'s copy on its stream and return at once.
+
+        Raises :class:`~kvoffload.BackendError` (nothing started) when closed, not open,
+        or when the transfer names pages or a stream this backend does not have.
+        """
+        if self._closed or not self._workers:
+            raise BackendError(f"{self.name} backend is {'closed' if self._closed else 'not open'}")
+        assert self._device is not None and self._host is not None
+        transfer.check_fits(self._device.n_pages, self._host.n_pages, self._n_streams)
+        worker = self._workers[transfer.stream]
+        worker.put(self._start(transfer, worker))
+        self.submitted += 1
+
+    @property
+    def signalled(self) -> int:
+        return self.inbox.signalled
+
+    @property
+    def inflight(self) -> int:
+        """Transfers submitted whose completion was not yet posted."""
+        return sum(w.queued for w in self._workers)
+
+    async def wait_completions(self) -> list[Completion]:
+        return await self.inbox.wait()
+
+    async def aclose(self) -> None:
+        """Refuse new copies, let every stream finish what it has, and join its thread:
+        returns once no copy runs (F16). Completions posted meanwhile stay available."""
+        self._closed = True
+        workers, self._workers = self._workers, []
+        for w in workers:
+            w.close()
+        for w in workers:
+            if w.is_alive():
+                await anyio.to_thread.run_sync(w.join, abandon_on_cancel=False)

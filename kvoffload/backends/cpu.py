@@ -1,0 +1,96 @@
+"""The cpu backend: torch copies on one worker thread per copy stream.
+
+The default when no GPU is present. Both pools are plain CPU tensors (page-major, so
+a page is one contiguous block). ``submit`` only queues the transfer (loop thread);
+the stream's worker thread copies its pages - one block copy per run of consecutive
+host pages, a gather where the device pages of a run are scattered - and posts the
+completion; the loop is woken with one ``call_soon_threadsafe`` per wake-up and takes
+every completion posted so far in one batch. The loop never blocks on a copy (F13).
+
+Bytes at submit time, the CPU analogue of F17: the engine writes device pages on the
+loop thread, but only pages past the committed tokens; a submitted chunk covers
+committed, whole pages, which the manager holds until RELEASED, after the last copy
+reading them completed (F3/F4). So the worker reads bytes nobody writes while it
+reads, and no snapshot at submit is taken (that would be a copy on the loop thread).
+``tests/test_integrity.py`` checks this end to end, page reuse included.
+
+``torch.Event`` is not used: on the CPU build it raises, and ``torch.cpu.Event.query()``
+is always true; completion is the worker thread returning from the copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload.abc import Completion, Transfer
+from kvoffload.backends._threaded import CompletionInbox, CopyHooks, StreamWorker, ThreadedBackend, plan_runs
+from kvoffload.pools import DevicePool, HostPool
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
+
+__all__ = ["CpuBackend"]
+
+
+def copy_pages(device: DevicePool, host: HostPool, transfer: Transfer) -> None:
+    """Copy ``transfer``'s device pages into its host pages (blocking; any thread)."""
+    import torch
+
+    src, dst = device.tensor, host.tensor
+    for run in plan_runs(transfer.device_pages, transfer.host_pages):
+        out = dst[run.host_start : run.host_start + run.count]
+        if run.device_start is not None:
+            out.copy_(src[run.device_start : run.device_start + run.count])
+        else:
+            torch.index_select(src, 0, torch.tensor(run.device, dtype=torch.long), out=out)
+
+
+class _CopyStream(StreamWorker[Transfer]):
+    """One copy stream: copies its transfers in submission order on its own thread."""
+
+    def __init__(
+        self, name: str, inbox: CompletionInbox, device: DevicePool, host: HostPool, hooks: CopyHooks
+    ) -> None:
+        super().__init__(name, inbox)
+        self._device, self._host, self._hooks = device, host, hooks
+
+    def transfer_of(self, item: Transfer) -> Transfer:
+        return item
+
+    def finish(self, item: Transfer) -> Completion:
+        hooks = self._hooks
+        if hooks.before is not None:
+            error = hooks.before(item)
+            if error is not None:
+                return (item, error)
+        try:
+            copy_pages(self._device, self._host, item)
+        except Exception as e:  # this transfer fails; the stream goes on
+            return (item, e)
+        if hooks.after is not None:
+            hooks.after(item)
+        return (item, None)
+
+
+class CpuBackend(ThreadedBackend[Transfer]):
+    """Copies on ``streams`` worker threads (default 1); completions in per-stream order.
+
+    ``CpuBackend(streams=2)``; chosen by ``backend="cpu"`` (or ``"auto"`` without a GPU).
+    """
+
+    name = "cpu"
+
+    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
+        """Plain CPU tensors for both pools (nothing to pin without a GPU)."""
+        args = (config.page_size, config.kv_shape, config.dtype)
+        return (
+            DevicePool.create(config.device_pages, *args),
+            HostPool.create(config.host_pages, *args),
+        )
+
+    def _make_worker(self, index: int) -> _CopyStream:
+        assert self._device is not None and self._host is not None
+        return _CopyStream(f"kvoffload.cpu-copy-{index}", self.inbox, self._device, self._host, self.hooks)
+
+    def _start(self, transfer: Transfer, worker: StreamWorker[Transfer]) -> Transfer:
+        return transfer  # the copy itself runs on the worker thread

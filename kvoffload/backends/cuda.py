@@ -1,0 +1,272 @@
+"""The cuda backend: copies on side streams, completion from one event per submission.
+
+``submit`` (loop thread, never blocks):
+
+1. the stream's side stream first waits on the compute stream - an event recorded on
+   the current stream at submit - so the copy never reads KV the model is still
+   writing (F17);
+2. the copy is queued on the side stream: one device->host copy per run of
+   consecutive host pages; scattered device pages are first gathered on the device by
+   one ``index_select`` per submission, so a submission is a few large copies into
+   pinned host pages (the host pool is pinned, so the copies are truly async);
+3. one event is recorded after the copy. Events come from a pool and go back to it only
+   after the waiter consumed their completion: an event is never re-recorded before.
+
+Completion (``completion="waiter"``, the default): one waiter thread per stream. It
+takes the oldest in-flight submission; ``query()`` first (fast path), else
+``synchronize()`` on a blocking-sync event (the thread sleeps in the driver, the loop
+never waits); then it takes every following submission whose event already completed
+and posts the whole batch to the loop with one ``call_soon_threadsafe``.
+``completion="poll"`` is the fallback: no threads; the delivery task queries the heads
+and sleeps with backoff (20 µs doubling to 1 ms) while nothing completed. Neither uses
+host-function callbacks or ``to_thread(event.synchronize)`` per event.
+
+Importing this module does not import torch; the stream and event logic
+(:class:`EventStream`, :func:`poll_completions`) only needs objects with ``query()`` and
+``synchronize()``, so it is tested on the CPU with fake events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import anyio
+
+from kvoffload.abc import Completion, Transfer
+from kvoffload.backends._threaded import (
+    CompletionInbox,
+    CopyHooks,
+    StreamWorker,
+    ThreadedBackend,
+    plan_runs,
+)
+from kvoffload.errors import BackendError, ConfigError
+from kvoffload.pools import DevicePool, HostPool
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadConfig
+
+__all__ = ["CudaBackend", "EventStream", "InFlight", "poll_completions"]
+
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+_DIRECT_RUNS_MAX = 4  # up to this many runs of consecutive device pages: copy each directly
+
+
+class CompletionEvent(Protocol):
+    """What the stream logic needs of an event (``torch.cuda.Event``, or a test fake)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class InFlight:
+    """One submission on a stream: its transfer, its event, and the temporaries its copy
+    uses (kept alive until the event completed)."""
+
+    __slots__ = ("event", "keep", "transfer")
+
+    def __init__(self, transfer: Transfer, event: CompletionEvent, keep: Sequence[Any] = ()) -> None:
+        self.transfer = transfer
+        self.event = event
+        self.keep: Sequence[Any] = keep
+
+
+class EventStream(StreamWorker[InFlight]):
+    """Per-stream completion: the waiter thread (or, in poll mode, the loop) turns events
+    into completions, oldest first; ``recycle(event)`` is called once per event after its
+    completion was consumed, never before."""
+
+    def __init__(
+        self,
+        name: str,
+        inbox: CompletionInbox,
+        hooks: CopyHooks,
+        recycle: Callable[[CompletionEvent], None],
+        stream: Any = None,
+        threaded: bool = True,
+    ) -> None:
+        super().__init__(name, inbox)
+        self._hooks = hooks
+        self._recycle = recycle
+        self.stream = stream  # the side stream (torch.cuda.Stream), None in tests
+        # threaded: a waiter thread runs finish(); in poll mode only done_nowait() runs,
+        # so hooks.before (which may block) is not applied there.
+        self._threaded = threaded
+
+    def transfer_of(self, item: InFlight) -> Transfer:
+        return item.transfer
+
+    def _consumed(self, item: InFlight) -> Completion:
+        self._recycle(item.event)
+        item.keep = ()
+        if self._hooks.after is not None:
+            self._hooks.after(item.transfer)
+        return (item.transfer, None)
+
+    def finish(self, item: InFlight) -> Completion:
+        """Block this thread until ``item``'s copy completed (query fast path first)."""
+        error = self._hooks.before(item.transfer) if self._hooks.before is not None else None
+        ev = item.event
+        if not ev.query():
+            ev.synchronize()  # blocking-sync event: the thread sleeps, the GIL is released
+        if error is not None:  # the bytes have landed; report the injected failure
+            self._recycle(ev)
+            item.keep = ()
+            return (item.transfer, error)
+        return self._consumed(item)
+
+    def done_nowait(self, item: InFlight) -> Completion | None:
+        if (self._threaded and self._hooks.before is not None) or not item.event.query():
+            return None  # with a before-hook every item goes through finish()
+        return self._consumed(item)
+
+
+async def poll_completions(streams: Sequence[EventStream], inbox: CompletionInbox) -> list[Completion]:
+    """The polling fallback, run by the delivery task: query every stream's heads; sleep
+    with backoff (20 µs doubling to 1 ms) while none completed; return a batch (>= 1)."""
+    delay = _POLL_MIN_S
+    while True:
+        for s in streams:
+            batch = s.take_done()
+            if batch:
+                inbox.post(batch)
+        batch = inbox.take_nowait()
+        if batch:
+            return batch
+        await anyio.sleep(delay)
+        delay = min(delay * 2, _POLL_MAX_S)
+
+
+class _EventPool:
+    """Blocking-sync CUDA events; one is handed out per submission (loop thread) and
+    returned by the stream after its completion was consumed (any thread)."""
+
+    def __init__(self, make: Callable[[], CompletionEvent]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._free: list[CompletionEvent] = []
+
+    def get(self) -> CompletionEvent:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return self._make()
+
+    def put(self, event: CompletionEvent) -> None:
+        with self._lock:
+            self._free.append(event)
+
+
+class CudaBackend(ThreadedBackend[InFlight]):
+    """Device pool on the GPU, host pool pinned; ``streams`` side streams (default 1).
+
+    ``CudaBackend(streams=1, device=None, completion="waiter" | "poll")``. Raises
+    :class:`~kvoffload.BackendError` at construction when no CUDA GPU is available.
+    """
+
+    name = "cuda"
+
+    def __init__(
+        self,
+        streams: int = 1,
+        device: int | str | None = None,
+        completion: Literal["waiter", "poll"] = "waiter",
+    ) -> None:
+        super().__init__(streams)
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendError(
+                "backend 'cuda' needs a CUDA GPU, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}); "
+                "use backend='cpu' (or 'auto', which picks cpu without a GPU)"
+            )
+        if completion not in ("waiter", "poll"):
+            raise ConfigError(f"completion must be 'waiter' or 'poll', got {completion!r}")
+        self._torch = torch
+        dev = torch.device("cuda") if device is None else torch.device(device)
+        if dev.type != "cuda":
+            raise ConfigError(f"device must be a CUDA device (an index, 'cuda' or 'cuda:N'), got {device!r}")
+        # Invariant: self.device.index is not None (the pools and streams name one GPU).
+        self.device = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.completion = completion
+        self._run_threads = completion == "waiter"
+        self._events = _EventPool(lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
+
+    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
+        """The device pool on the GPU; the host pool in pinned memory."""
+        args = (config.page_size, config.kv_shape, config.dtype)
+        return (
+            DevicePool.create(config.device_pages, *args, device=str(self.device)),
+            HostPool.create(config.host_pages, *args, pin_memory=True),
+        )
+
+    def _make_worker(self, index: int) -> EventStream:
+        stream = self._torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+        name = f"kvoffload.cuda-wait-{index}"
+        return EventStream(name, self.inbox, self.hooks, self._events.put, stream, self._run_threads)
+
+    def _start(self, transfer: Transfer, worker: StreamWorker[InFlight]) -> InFlight:
+        """Queue ``transfer``'s copy on the side stream after the compute stream's work."""
+        torch = self._torch
+        assert isinstance(worker, EventStream) and self._device is not None and self._host is not None
+        side = worker.stream
+        src, dst = self._device.tensor, self._host.tensor
+        runs = plan_runs(transfer.device_pages, transfer.host_pages)
+        keep: list[Any] = []
+        try:
+            side.wait_stream(torch.cuda.current_stream(self.device))  # F17
+            with torch.cuda.stream(side):
+                if len(runs) <= _DIRECT_RUNS_MAX and all(r.device_start is not None for r in runs):
+                    for r in runs:
+                        assert r.device_start is not None
+                        dst[r.host_start : r.host_start + r.count].copy_(
+                            src[r.device_start : r.device_start + r.count], non_blocking=True
+                        )
+                else:  # one gather on the device, then one copy per run of host pages
+                    order = [p for r in runs for p in r.device]
+                    idx = torch.tensor(order, dtype=torch.long).pin_memory()
+                    gathered = src.index_select(0, idx.to(self.device, non_blocking=True))
+                    off = 0
+                    for r in runs:
+                        dst[r.host_start : r.host_start + r.count].copy_(
+                            gathered[off : off + r.count], non_blocking=True
+                        )
+                        off += r.count
+                    keep = [idx, gathered]
+                event = self._events.get()
+                event.record(side)  # type: ignore[attr-defined]
+        except Exception as e:
+            # Part of the copy may be queued: let it end before the caller frees the host
+            # pages (an error path; the loop waits here only when a launch failed).
+            with contextlib.suppress(Exception):
+                side.synchronize()
+            raise BackendError(f"{transfer!r}: could not start the copy: {e!r}") from e
+        return InFlight(transfer, event, keep)
+
+    async def wait_completions(self) -> list[Completion]:
+        if self.completion == "poll":
+            return await poll_completions(self._streams(), self.inbox)
+        return await self.inbox.wait()
+
+    def _streams(self) -> list[EventStream]:
+        return [w for w in self._workers if isinstance(w, EventStream)]
+
+    async def aclose(self) -> None:
+        """Waiter mode: the threads drain and exit. Poll mode: poll until every stream is
+        empty. Either way, returns once no copy runs."""
+        if self.completion == "poll":
+            self._closed = True
+            streams = self._streams()
+            while any(s.queued for s in streams):
+                for s in streams:
+                    batch = s.take_done()
+                    if batch:
+                        self.inbox.post(batch)
+                await anyio.sleep(_POLL_MAX_S)
+        await super().aclose()

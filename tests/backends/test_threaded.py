@@ -1,0 +1,167 @@
+"""The shared machinery of the cpu and cuda backends, driven on the CPU: copy plans,
+the loop inbox (one wake-up per batch, nothing stranded), backend choice by name."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvoffload as kvo
+from kvoffload.backends import resolve_backend
+from kvoffload.backends._threaded import CompletionInbox, Run, plan_runs
+from kvoffload.backends.cpu import CpuBackend
+
+
+def test_plan_runs_makes_one_block_per_run_of_consecutive_pages() -> None:
+    """Consecutive pairs are one block copy, in either direction (the pool hands pages
+    out in descending order); scattered device pages become a gather."""
+    assert plan_runs([0, 1, 2], [5, 6, 7]) == [Run(5, 3, (0, 1, 2), 0)]
+    assert plan_runs([2, 1, 0], [7, 6, 5]) == [Run(5, 3, (0, 1, 2), 0)]
+    assert plan_runs([9, 3], [0, 1]) == [Run(0, 2, (9, 3), None)]
+    assert plan_runs([1, 2], [4, 9]) == [Run(4, 1, (1,), 1), Run(9, 1, (2,), 2)]
+    assert plan_runs([], []) == []
+
+
+@given(st.lists(st.integers(0, 50), unique=True, min_size=1, max_size=20), st.randoms())
+def test_plan_runs_covers_every_page_pair_exactly_once(host: list[int], rnd: Any) -> None:
+    """Whatever the pages, the runs map each host page to its own device page, once."""
+    device = rnd.sample(range(100), len(host))
+    runs = plan_runs(device, host)
+    pairs = [(r.host_start + k, d) for r in runs for k, d in enumerate(r.device)]
+    assert sorted(pairs) == sorted(zip(host, device, strict=True))
+    for r in runs:
+        assert r.count == len(r.device) >= 1
+        if r.device_start is not None:
+            assert r.device == tuple(range(r.device_start, r.device_start + r.count))
+
+
+def _fake_transfer(i: int) -> Any:
+    return (i, None)
+
+
+class _Loop:
+    """Records call_soon_threadsafe calls instead of running them."""
+
+    def __init__(self) -> None:
+        self.calls: list[Callable[[], Any]] = []
+
+    def call_soon_threadsafe(self, fn: Callable[[], Any]) -> None:
+        self.calls.append(fn)
+
+
+def test_inbox_wakes_the_loop_once_per_wake_up_not_once_per_completion() -> None:
+    """Posts made while a wake-up is pending schedule nothing more; once the wake-up
+    ran, the next post schedules exactly one."""
+    inbox = CompletionInbox()
+    loop = _Loop()
+    inbox._call_soon = loop.call_soon_threadsafe
+    for i in range(3):
+        inbox.post([_fake_transfer(i)])
+    assert len(loop.calls) == 1 and inbox.signalled == 3
+    loop.calls[0]()  # the wake-up runs on the loop
+    inbox.post([_fake_transfer(3), _fake_transfer(4)])
+    assert len(loop.calls) == 2 and inbox.signalled == 5
+    assert inbox.take_nowait() == [_fake_transfer(i) for i in range(5)]
+    assert inbox.take_nowait() == []
+
+
+@pytest.mark.asyncio
+async def test_inbox_strands_no_completion_under_concurrent_posts() -> None:
+    """Two threads post 2000 completions while the loop waits: every one arrives,
+    each thread's in its posting order, in fewer wake-ups than posts."""
+    inbox = CompletionInbox()
+    inbox.bind()
+    n = 1000
+
+    def poster(k: int) -> None:
+        for i in range(n):
+            inbox.post([((k, i), None)])  # type: ignore[list-item]
+
+    threads = [threading.Thread(target=poster, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    got: list[Any] = []
+    with anyio.fail_after(20):
+        while len(got) < 2 * n:
+            got.extend(c[0] for c in await inbox.wait())
+    for t in threads:
+        t.join()
+    for k in range(2):
+        assert [i for kk, i in got if kk == k] == list(range(n))
+    assert inbox.signalled == 2 * n
+    assert inbox.wakeups <= 2 * n
+
+
+def test_inbox_outside_asyncio_says_what_it_needs() -> None:
+    """Opening a threaded backend with no running asyncio loop raises BackendError."""
+    with pytest.raises(kvo.BackendError, match="asyncio"):
+        CompletionInbox().bind()
+
+
+def test_backends_are_chosen_by_name() -> None:
+    """ "cpu" and "sim" by name; "auto" is cpu without a GPU and cuda with one; an
+    unknown name is a ConfigError listing the choices."""
+    assert resolve_backend("cpu").name == "cpu"
+    assert resolve_backend("sim").name == "sim"
+    assert resolve_backend("auto").name == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(kvo.ConfigError, match="auto"):
+        resolve_backend("gpu")
+    with pytest.raises(kvo.ConfigError):
+        CpuBackend(streams=0)
+
+
+@pytest.mark.asyncio
+async def test_the_manager_defaults_to_auto() -> None:
+    """OffloadManager without a backend picks "auto": the cpu backend on this machine
+    when there is no GPU, and offloads through it."""
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=16, host_pages=16)
+    async with kvo.OffloadManager(config) as mgr:
+        assert mgr.backend.name == ("cuda" if torch.cuda.is_available() else "cpu")
+        lc = mgr.admit("r", prompt=[1, 2, 3, 4])
+        lc.extend([5, 6, 7, 8, 9])
+        lc.finish()
+        await lc.wait_released()
+        assert lc.outcome is kvo.Outcome.COMPLETED
+        mgr.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch error inside one copy is that transfer's failure; the worker thread
+    lives on and copies the next transfer."""
+    import kvoffload.backends.cpu as cpu_mod
+    from kvoffload.abc import Transfer
+
+    real = cpu_mod.copy_pages
+    boom = RuntimeError("copy failed")
+
+    def flaky(device: Any, host: Any, t: Transfer) -> None:
+        if t.device_pages == [1]:
+            raise boom
+        real(device, host, t)
+
+    monkeypatch.setattr(cpu_mod, "copy_pages", flaky)
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=4, host_pages=4, dtype="float32")
+    b = CpuBackend()
+    dev, host = b.create_pools(config)
+    dev.tensor.normal_()
+    b.open(dev, host)
+    ts = [Transfer(object(), [p], [p], [], 0, 4, 0.0) for p in range(3)]  # type: ignore[arg-type]
+    for t in ts:
+        b.submit(t)
+    got: list[Any] = []
+    with anyio.fail_after(20):
+        while len(got) < 3:
+            got.extend(await b.wait_completions())
+    assert [(t.device_pages, err) for t, err in got] == [([0], None), ([1], boom), ([2], None)]
+    assert torch.equal(host.tensor[[0, 2]], dev.tensor[[0, 2]])
+    await b.aclose()
