@@ -6,22 +6,11 @@ import os
 
 import anyio
 import pytest
+from _storage_helpers import PAGE, keys_of, pages_of
 
 from kvoffload.abc import Storage
-from kvoffload.keys import chain_keys
 
 pytestmark = pytest.mark.asyncio
-
-PAGE = 64
-
-
-def keys_of(n: int, salt: int = 0) -> list[str]:
-    """``n`` chained page keys (as the manager makes them)."""
-    return chain_keys(None, [salt * 1000 + i for i in range(n * 4)], 4)
-
-
-def pages_of(n: int, size: int = PAGE, salt: int = 0) -> list[bytes]:
-    return [bytes([(salt + i + j) % 251 for j in range(size)]) for i in range(n)]
 
 
 def twin(store: Storage) -> Storage | None:
