@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+
+import kvoffload as kvo
+from kvoffload.errors import StorageError
 from kvoffload.keys import chain_keys
+from kvoffload.storage.memory import MemoryStorage
 
 PAGE = 64
 
@@ -15,3 +25,74 @@ def keys_of(n: int, salt: int = 0) -> list[str]:
 def pages_of(n: int, size: int = PAGE, salt: int = 0) -> list[bytes]:
     """``n`` distinct pages of ``size`` bytes."""
     return [bytes([(salt + i + j) % 251 for j in range(size)]) for i in range(n)]
+
+
+class ScriptedStore(MemoryStorage):
+    """A memory store whose writes the test controls: ``down`` fails every put,
+    ``fail_next`` fails that many puts, ``gate`` (an event) holds every put until set;
+    ``calls`` counts puts and ``order`` records each put's keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.fail_next = 0
+        self.gate: anyio.Event | None = None
+        self.calls = 0
+        self.order: list[list[str]] = []
+        self.error: type[Exception] = StorageError
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.down or self.fail_next > 0:
+            self.fail_next = max(0, self.fail_next - 1)
+            raise self.error("scripted storage failure")
+        self.order.append(list(keys))
+        await super().put(keys, pages)
+
+
+def fill_device(mgr: kvo.OffloadManager, lc: kvo.Lifecycle, seed: int) -> None:
+    """Give each device page of ``lc`` distinct contents (so wrong bytes show)."""
+    import torch
+
+    for i, p in enumerate(lc.device_pages):
+        mgr.device_pool.tensor[p] = torch.full_like(mgr.device_pool.tensor[p], float((seed * 97 + i) % 1000))
+
+
+def device_bytes(mgr: kvo.OffloadManager, pages: Sequence[int]) -> list[bytes]:
+    """The bytes of device pages now."""
+    return [bytes(mgr.device_pool.tensor[p].contiguous().view(-1).numpy().tobytes()) for p in pages]
+
+
+@contextlib.asynccontextmanager
+async def manager_in_task(*args: Any, **kwargs: Any) -> AsyncIterator[kvo.OffloadManager]:
+    """An open OffloadManager whose ``async with`` runs in a task of its own.
+
+    pytest-asyncio sets up and tears down an async fixture in two different tasks,
+    and an anyio task group (the manager's) must be left in the task that entered it;
+    running the context in one dedicated task makes the manager usable from a fixture.
+    Errors of the manager (its exit or a background task) are raised on leaving.
+    """
+    ready = anyio.Event()
+    done = anyio.Event()
+    box: list[kvo.OffloadManager] = []
+
+    async def run() -> None:
+        try:
+            async with kvo.OffloadManager(*args, **kwargs) as m:
+                box.append(m)
+                ready.set()
+                await done.wait()
+        finally:
+            ready.set()
+
+    task = asyncio.get_running_loop().create_task(run())
+    await ready.wait()
+    if not box:
+        await task  # it failed on the way in: raise that
+    try:
+        yield box[0]
+    finally:
+        done.set()
+        await task
