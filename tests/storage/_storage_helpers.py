@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 import kvoffload as kvo
+from kvoffload.abc import Storage
 from kvoffload.errors import StorageError
 from kvoffload.keys import chain_keys
 from kvoffload.storage.memory import MemoryStorage
@@ -96,3 +99,21 @@ async def manager_in_task(*args: Any, **kwargs: Any) -> AsyncIterator[kvo.Offloa
     finally:
         done.set()
         await task
+
+
+STORE_KINDS = ["memory", "file", "redis"]
+
+
+def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Storage:
+    """A fresh, empty store of ``kind`` (redis: a flushed database)."""
+    if kind == "memory":
+        from kvoffload.storage.memory import MemoryStorage
+
+        return MemoryStorage()
+    if kind == "file":
+        from kvoffload.storage.file import FileStorage
+
+        return FileStorage(tmp_path / "pages")
+    from kvoffload.storage.redis import RedisStorage
+
+    return RedisStorage(request.getfixturevalue("clean_redis"))

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import pytest_asyncio
 from _redis_server import REDIS_SERVER, RedisServer, redis_ping
+from _storage_helpers import STORE_KINDS, make_store
 
 from kvoffload.abc import Storage
 
@@ -78,24 +79,6 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
-
-
-STORE_KINDS = ["memory", "file", "redis"]
-
-
-def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Storage:
-    """A fresh, empty store of ``kind`` (redis: a flushed database)."""
-    if kind == "memory":
-        from kvoffload.storage.memory import MemoryStorage
-
-        return MemoryStorage()
-    if kind == "file":
-        from kvoffload.storage.file import FileStorage
-
-        return FileStorage(tmp_path / "pages")
-    from kvoffload.storage.redis import RedisStorage
-
-    return RedisStorage(request.getfixturevalue("clean_redis"))
 
 
 @pytest_asyncio.fixture(params=STORE_KINDS)
