@@ -57,9 +57,14 @@ class ScriptedStore(MemoryStorage):
 
 def fill_device(mgr: kvo.OffloadManager, lc: kvo.Lifecycle, seed: int) -> None:
     """Give each device page of ``lc`` distinct contents (so wrong bytes show)."""
+    fill_pages(mgr, lc.device_pages, seed)
+
+
+def fill_pages(mgr: kvo.OffloadManager, pages: Sequence[int], seed: int) -> None:
+    """Give each of these device pages distinct contents."""
     import torch
 
-    for i, p in enumerate(lc.device_pages):
+    for i, p in enumerate(pages):
         mgr.device_pool.tensor[p] = torch.full_like(mgr.device_pool.tensor[p], float((seed * 97 + i) % 1000))
 
 
