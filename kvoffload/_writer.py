@@ -81,11 +81,18 @@ class _Burst:
 
 
 def page_bytes(mgr: OffloadManager, host_pages: list[int]) -> list[bytes]:
-    """The raw bytes of each host page (a copy: the pages return to the pool after)."""
+    """The raw bytes of each host page (a copy: the pages return to the pool after).
+
+    A pool is page-major, so each page is one contiguous block: one memcpy per page.
+    """
     import torch
 
-    rows = mgr.host_pool.tensor[torch.tensor(host_pages, dtype=torch.long)]
-    flat = rows.contiguous().view(torch.uint8).reshape(len(host_pages), -1).numpy()
+    pool = mgr.host_pool.tensor
+    if pool.is_contiguous() and pool.device.type == "cpu":
+        rows = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
+        return [rows[p].tobytes() for p in host_pages]
+    picked = pool[torch.tensor(host_pages, dtype=torch.long)].cpu().contiguous()
+    flat = picked.view(torch.uint8).reshape(len(host_pages), -1).numpy()
     return [flat[i].tobytes() for i in range(len(host_pages))]
 
 
