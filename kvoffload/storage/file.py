@@ -129,43 +129,31 @@ class FileStorage(Storage):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
             return 0
-        return await anyio.to_thread.run_sync(self._get_into_sync, list(keys), list(dest))
-
-    def _get_into_sync(self, keys: list[str], dest: list[memoryview]) -> int:
-        """Read each payload straight into its buffer, then check its CRC there."""
-        for i, (key, buf) in enumerate(zip(keys, dest, strict=True)):
-            out = buf.cast("B")
-            path = self.path(key)
-            try:
-                with open(path, "rb") as f:
-                    total = os.fstat(f.fileno()).st_size
-                    head = f.read(header_size(key))
-                    found = payload_offset(key, head, total)
-                    if found is None or found[1] != out.nbytes:
-                        return i
-                    if f.readinto(out) != out.nbytes or zlib.crc32(out) != found[2]:
-                        return i
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                return i
-            except OSError as exc:
-                raise StorageError(f"file storage: cannot read {path}: {exc}") from exc
-        return len(keys)
+        return await anyio.to_thread.run_sync(self._read_prefix, list(keys), list(dest))
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         """Counts files whose header names the key and whose size matches it (a
         truncated file does not count); the payload's CRC is checked on read."""
         if not keys:
             return 0
-        return await anyio.to_thread.run_sync(self._exists_prefix_sync, list(keys))
+        return await anyio.to_thread.run_sync(self._read_prefix, list(keys), None)
 
-    def _exists_prefix_sync(self, keys: list[str]) -> int:
+    def _read_prefix(self, keys: list[str], dest: list[memoryview] | None) -> int:
+        """How many leading keys have a whole record of their key; with ``dest``, read
+        each payload straight into its buffer and check its CRC there."""
         for i, key in enumerate(keys):
             path = self.path(key)
             try:
                 with open(path, "rb") as f:
-                    total = os.fstat(f.fileno()).st_size
-                    if payload_offset(key, f.read(header_size(key)), total) is None:
+                    found = payload_offset(key, f.read(header_size(key)), os.fstat(f.fileno()).st_size)
+                    if found is None:
                         return i
+                    if dest is not None:
+                        out = dest[i].cast("B")
+                        if found[1] != out.nbytes or f.readinto(out) != out.nbytes:
+                            return i
+                        if zlib.crc32(out) != found[2]:
+                            return i
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 return i
             except OSError as exc:
