@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -71,39 +68,6 @@ def fill_pages(mgr: kvo.OffloadManager, pages: Sequence[int], seed: int) -> None
 def device_bytes(mgr: kvo.OffloadManager, pages: Sequence[int]) -> list[bytes]:
     """The bytes of device pages now."""
     return [bytes(mgr.device_pool.tensor[p].contiguous().view(-1).numpy().tobytes()) for p in pages]
-
-
-@contextlib.asynccontextmanager
-async def manager_in_task(*args: Any, **kwargs: Any) -> AsyncIterator[kvo.OffloadManager]:
-    """An open OffloadManager whose ``async with`` runs in a task of its own.
-
-    pytest-asyncio sets up and tears down an async fixture in two different tasks,
-    and an anyio task group (the manager's) must be left in the task that entered it;
-    running the context in one dedicated task makes the manager usable from a fixture.
-    Errors of the manager (its exit or a background task) are raised on leaving.
-    """
-    ready = anyio.Event()
-    done = anyio.Event()
-    box: list[kvo.OffloadManager] = []
-
-    async def run() -> None:
-        try:
-            async with kvo.OffloadManager(*args, **kwargs) as m:
-                box.append(m)
-                ready.set()
-                await done.wait()
-        finally:
-            ready.set()
-
-    task = asyncio.get_running_loop().create_task(run())
-    await ready.wait()
-    if not box:
-        await task  # it failed on the way in: raise that
-    try:
-        yield box[0]
-    finally:
-        done.set()
-        await task
 
 
 STORE_KINDS = ["memory", "file", "redis"]

@@ -4,13 +4,13 @@ token sequence, whole pages only, and its bytes read back under their chain keys
 from __future__ import annotations
 
 import pytest
-from _storage_helpers import device_bytes, fill_device, manager_in_task
+from _storage_helpers import device_bytes, fill_device
 
 import kvoffload as kvo
 from kvoffload._lookup import page_keys
 from kvoffload.abc import Storage
 from kvoffload.storage.memory import MemoryStorage
-from kvoffload.testing import SimBackend
+from kvoffload.testing import SimBackend, manager_in_task
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from _storage_helpers import manager_in_task
 
 import kvoffload as kvo
 from kvoffload.storage.redis import RedisStorage
-from kvoffload.testing import SimBackend
+from kvoffload.testing import SimBackend, manager_in_task
 
 WORKER = Path(__file__).with_name("_share_worker.py")
 

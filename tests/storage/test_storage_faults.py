@@ -13,14 +13,14 @@ from typing import Any
 import anyio
 import pytest
 from _redis_server import RedisServer
-from _storage_helpers import device_bytes, fill_pages, manager_in_task
+from _storage_helpers import device_bytes, fill_pages
 
 import kvoffload as kvo
 from kvoffload.abc import Storage
 from kvoffload.storage import WritePolicy
 from kvoffload.storage.file import FileStorage
 from kvoffload.storage.redis import RedisStorage
-from kvoffload.testing import SimBackend
+from kvoffload.testing import SimBackend, manager_in_task
 
 pytestmark = pytest.mark.asyncio
 

@@ -11,11 +11,11 @@ import anyio
 import pytest
 import pytest_asyncio
 import structlog
-from _storage_helpers import ScriptedStore, device_bytes, fill_device, manager_in_task
+from _storage_helpers import ScriptedStore, device_bytes, fill_device
 
 import kvoffload as kvo
 from kvoffload.storage import WritePolicy
-from kvoffload.testing import SimBackend
+from kvoffload.testing import SimBackend, manager_in_task
 
 pytestmark = pytest.mark.asyncio
 
