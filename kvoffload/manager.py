@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvoffload._events import Listener, debug_enabled, logger
-from kvoffload._writer import WritePolicy
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import DrainTimeout, KVOffloadError
@@ -30,6 +29,7 @@ from kvoffload.stats import Counters, Statistics
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvoffload._writer import WritePolicy
     from kvoffload.pools import DevicePool, HostPool
 
 __all__ = ["OffloadManager"]
@@ -71,6 +71,7 @@ class OffloadManager:
         if not _spec_validated:
             validate()
             _spec_validated = True
+        from kvoffload._writer import WritePolicy
         from kvoffload.backends import resolve_backend
         from kvoffload.storage import resolve_storage
 
