@@ -248,3 +248,23 @@ async def test_write_policy_rejects_bad_values() -> None:
     with pytest.raises(kvo.ConfigError, match="backoff_s"):
         WritePolicy(backoff_s=-1)
     assert WritePolicy(backoff_s=0.1, backoff_max_s=0.3).backoff(5) == 0.3
+
+
+async def test_a_chunk_over_a_mib_is_stored_intact() -> None:
+    """A chunk bigger than 1 MiB is read out of the host pool on a worker thread (the
+    pages are held, so stable): the stored bytes are still exactly the device's."""
+    cfg = kvo.OffloadConfig(page_size=4, stride=12, device_pages=8, host_pages=4, kv_shape=(65536,))
+    backend = SimBackend()
+    store = ScriptedStore()
+    async with manager_in_task(cfg, backend=backend, storage=store, write_policy=FAST) as m:
+        lc = m.admit("big", [0, 1, 2, 3])
+        lc.extend(list(range(4, 17)))
+        fill_device(m, lc, seed=5)
+        t = backend.pending[0]
+        assert len(t.host_pages) * m.host_pool.tensor[0].nbytes > 1 << 20
+        expected = device_bytes(m, t.device_pages)
+        backend.complete_all()
+        await m.settle()
+        assert await store.get(t.keys) == expected
+        lc.finish()
+        backend.complete_all()
