@@ -33,7 +33,8 @@ EVENT_NAMES: dict[str, str] = {
     "chunk.dropped": "a chunk found the host pool full and was dropped (warning, rate-limited)",
     "chunk.deferred": "a chunk waits for host pages under on_host_full='wait' (debug)",
     "storage.written": "a chunk's pages were written to the storage tier (debug)",
-    "storage.failed": "a storage write failed (warning, rate-limited)",
+    "storage.failed": "a storage write failed after its retries (warning, once per burst of failures)",
+    "storage.recovered": "the first storage write to succeed after a burst of failures (info)",
     "manager.drain_timeout": "leaving the manager timed out with copies in flight (error)",
     "manager.closed_live": "the manager was left with lifecycles never finished (warning)",
 }

@@ -189,14 +189,46 @@ class Storage(abc.ABC):
         """Store ``pages[i]`` under ``keys[i]``; raise :class:`~kvoffload.StorageError` on failure.
 
         A page is stored whole or not at all (no torn page is ever readable under a key).
+        On an error some pages of the batch may be stored and others not; a retry of
+        the same batch is safe (a key always names the same tokens). Raises
+        ``ValueError`` (nothing stored) when ``len(keys) != len(pages)``.
         """
 
     @abc.abstractmethod
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The bytes under each key, ``None`` where missing or unreadable."""
+        """The bytes under each key, ``None`` where missing or unreadable.
+
+        Never returns bytes that were not stored under exactly that key: a torn,
+        corrupt or mis-keyed record reads as ``None``. Raises
+        :class:`~kvoffload.StorageError` when the tier cannot be reached.
+        """
+
+    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
+        """Read the page under ``keys[i]`` into the writable buffer ``dest[i]`` (a host
+        page's bytes), counting from the first; stop at the first page that is missing,
+        unreadable or not exactly ``len(dest[i])`` bytes.
+
+        Returns how many leading buffers were filled; the contents of the others are
+        unspecified. Raises :class:`~kvoffload.StorageError` when the tier cannot be
+        reached.
+        """
+        if len(keys) != len(dest):
+            raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
+        n = 0
+        for page, buf in zip(await self.get(keys), dest, strict=True):
+            if page is None or len(page) != buf.nbytes:
+                break
+            buf.cast("B")[:] = page
+            n += 1
+        return n
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
-        """How many of ``keys``, counting from the first, are stored."""
+        """How many of ``keys``, counting from the first, are stored.
+
+        With chain keys this is a prefix length: page ``i``'s key covers pages ``0..i``.
+        A store may answer from metadata, so a page counted here can still read as
+        missing later (corrupted, or evicted by another worker's tier).
+        """
         n = 0
         for page in await self.get(keys):
             if page is None:

@@ -7,6 +7,7 @@ writes, the watchdog), which the manager owns in one anyio task group.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ from kvoffload.stats import Counters, Statistics
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from kvoffload._writer import WritePolicy
     from kvoffload.pools import DevicePool, HostPool
 
 __all__ = ["OffloadManager"]
@@ -62,19 +64,22 @@ class OffloadManager:
         config: OffloadConfig,
         *,
         backend: str | EventBackend = "auto",
-        storage: str | Storage | None = None,
+        storage: str | os.PathLike[str] | Storage | None = None,
         clock: Callable[[], float] = time.monotonic,
+        write_policy: WritePolicy | None = None,
     ) -> None:
         global _spec_validated
         if not _spec_validated:
             validate()
             _spec_validated = True
+        from kvoffload._writer import WritePolicy
         from kvoffload.backends import resolve_backend
         from kvoffload.storage import resolve_storage
 
         self.config = config
         self.backend: EventBackend = resolve_backend(backend)
         self.storage: Storage | None = resolve_storage(storage)
+        self.write_policy = write_policy if write_policy is not None else WritePolicy()
         self.clock = clock
         self.device_pool: DevicePool
         self.host_pool: HostPool
@@ -504,23 +509,43 @@ class OffloadManager:
     # --- storage write-behind ------------------------------------------------------------
 
     async def _write_loop(self) -> None:
-        from kvoffload._writer import write_chunk
+        from kvoffload._writer import write_loop
 
-        assert self.storage is not None
-        while True:
-            if not self._writes:
-                self._write_ev = anyio.Event()
-                await self._write_ev.wait()
-                self._write_ev = None
-                continue
-            t = self._writes[0]
-            await write_chunk(self, self.storage, t)
-            self._writes.popleft()
-            self.counters.pages_in_write -= len(t.host_pages)
-            self.host_pool.free(t.host_pages)
-            self._wake_settle()
-            if self._deferred:
-                self._pump_deferred()
+        await write_loop(self)
+
+    def _write_done(self, t: Transfer) -> None:
+        """The writer finished ``t`` (stored or failed): its host pages return (rule 3)."""
+        done = self._writes.popleft()
+        assert done is t, "storage writes finish in queue order"
+        self.counters.pages_in_write -= len(t.host_pages)
+        self.host_pool.free(t.host_pages)
+        self._wake_settle()
+        if self._deferred:
+            self._pump_deferred()
+
+    # --- storage reads -------------------------------------------------------------------
+
+    async def lookup(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` (whole pages) are in the storage tier.
+
+        Any worker may have stored them. Raises :class:`~kvoffload.InvalidTokens`, or
+        :class:`~kvoffload.StorageError` when there is no storage or it cannot be reached.
+        """
+        from kvoffload._lookup import lookup
+
+        return await lookup(self, tokens)
+
+    async def fetch(self, tokens: Sequence[int], n: int) -> list[bytes]:
+        """The stored bytes of the pages of ``tokens[:n]`` (``n`` a multiple of page_size),
+        each read under its chain key and checked against it.
+
+        Returns the leading pages found, in order: fewer than ``n // page_size`` when a
+        page is missing, corrupt or of the wrong size (never a wrong page). Raises like
+        :meth:`lookup`.
+        """
+        from kvoffload._lookup import fetch
+
+        return await fetch(self, tokens, n)
 
     # --- waiting -------------------------------------------------------------------------
 

@@ -96,7 +96,7 @@ class Statistics:
     pages_store_failed: int
     """Pages whose storage write failed (after retries); their host pages were returned."""
     pages_store_retried: int
-    """Storage write attempts that were retried."""
+    """Pages re-sent by a retried storage write (a chunk of n pages retried once adds n)."""
     pages_in_write: int
     """Pages copied to the host and waiting for (or in) their storage write."""
     pages_not_stored: int

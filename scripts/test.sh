@@ -8,4 +8,6 @@ bash scripts/setup.sh
 echo "== ruff"; ruff check kvoffload tests benchmarks examples
 echo "== ruff format"; ruff format --check kvoffload tests benchmarks examples
 echo "== mypy"; mypy
+echo "== redis"; eval "$(bash scripts/redis.sh start)"; trap 'bash scripts/redis.sh stop' EXIT
+export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
 echo "== pytest"; python -m pytest -q "$@"

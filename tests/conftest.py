@@ -9,7 +9,7 @@ import pytest_asyncio
 import structlog
 
 import kvoffload as kvo
-from kvoffload.testing import SimBackend
+from kvoffload.testing import SimBackend, manager_in_task
 
 
 @pytest.fixture
@@ -24,7 +24,9 @@ def backend() -> SimBackend:
 
 @pytest_asyncio.fixture
 async def mgr(config: kvo.OffloadConfig, backend: SimBackend) -> AsyncIterator[kvo.OffloadManager]:
-    async with kvo.OffloadManager(config, backend=backend) as m:
+    # The manager's context runs in a task of its own: pytest-asyncio tears a fixture
+    # down in another task than it set it up in (tests/test_mgr_fixture.py).
+    async with manager_in_task(config, backend=backend) as m:
         yield m
         backend.complete_all()  # let the manager drain; tests leave nothing running
         await m.settle()

@@ -1,32 +1,61 @@
 """Storage tiers, chosen by name and loaded lazily (one private module each).
 
-``resolve_storage(None | "memory" | instance)``; later: a directory path (file store)
-or a ``redis://`` URL.
+``resolve_storage`` takes ``None``, a name (``"memory"``), a directory path (a ``str``
+that looks like a path, a ``file://`` URL, or any ``os.PathLike``: the file store), a
+``redis://`` / ``rediss://`` / ``unix://`` URL (the redis store), or an instance.
 """
 
 from __future__ import annotations
 
-import importlib
+import os
 
+from kvoffload._writer import WritePolicy
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError
 
-__all__ = ["STORAGES", "resolve_storage"]
+__all__ = ["STORAGES", "WritePolicy", "resolve_storage"]
 
-#: Storage name -> "module:class".
+#: Storage kind -> "module:class" (each module is imported only when chosen).
 STORAGES: dict[str, str] = {
     "memory": "kvoffload.storage.memory:MemoryStorage",
+    "file": "kvoffload.storage.file:FileStorage",
+    "redis": "kvoffload.storage.redis:RedisStorage",
 }
 
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
-def resolve_storage(storage: str | Storage | None) -> Storage | None:
-    """A :class:`~kvoffload.abc.Storage` from ``None``, a name, or an instance."""
+
+def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage | None:
+    """A :class:`~kvoffload.abc.Storage` from ``None``, a name, a path, a URL, or an instance.
+
+    A bare word that is not a storage name is refused (a typo must not create a
+    directory): write a relative directory as ``./name``. Raises
+    :class:`~kvoffload.ConfigError` for anything else, and
+    :class:`~kvoffload.MissingDependency` when the chosen store's extra is not installed.
+    """
     if storage is None or isinstance(storage, Storage):
         return storage
-    if isinstance(storage, str) and storage in STORAGES:
-        module, _, cls = STORAGES[storage].partition(":")
-        instance: Storage = getattr(importlib.import_module(module), cls)()
-        return instance
+    path: str | None = None
+    if isinstance(storage, os.PathLike):
+        path = os.fspath(storage)
+    elif isinstance(storage, str):
+        if storage == "memory":
+            from kvoffload.storage.memory import MemoryStorage
+
+            return MemoryStorage()
+        if storage.startswith(_REDIS_SCHEMES):
+            from kvoffload.storage.redis import RedisStorage
+
+            return RedisStorage(storage)
+        if storage.startswith("file://"):
+            path = storage.removeprefix("file://")
+        elif "://" not in storage and ("/" in storage or os.sep in storage or storage[:1] in (".", "~")):
+            path = storage
+    if path:
+        from kvoffload.storage.file import FileStorage
+
+        return FileStorage(path)
     raise ConfigError(
-        f"unknown storage {storage!r}; choose None, one of {sorted(STORAGES)}, or pass a Storage"
+        f"unknown storage {storage!r}; choose None, 'memory', a directory path (./name or /abs/path), "
+        "a redis:// URL, or pass a Storage instance"
     )

@@ -1,0 +1,149 @@
+"""A Redis tier shared by many decode workers (``pip install kvoffload[redis]``).
+
+Each page is one string value under ``<prefix><page key>``; the value is a record
+(:mod:`kvoffload.storage._record`: the key, the payload length and a CRC-32, then
+the page), so a value that is truncated, corrupt or was written under another key
+reads as missing. A batch is one pipeline (no MULTI): one round trip per chunk.
+
+The client is ``redis.asyncio``; it is imported when a store is created, never by
+``import kvoffload``. redis-py's own retries are turned off: the write-behind task
+retries whole chunks with its own bound (see ``docs/storage.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvoffload.abc import Storage
+from kvoffload.errors import ConfigError, MissingDependency, StorageError
+from kvoffload.storage._record import decode, encode_header
+
+if TYPE_CHECKING:
+    import redis.asyncio
+
+__all__ = ["DEFAULT_PREFIX", "RedisStorage"]
+
+#: Key prefix when none is given.
+DEFAULT_PREFIX = "kvoffload:page:"
+
+
+def _redis_asyncio() -> Any:
+    try:
+        import redis.asyncio
+    except ImportError as exc:
+        raise MissingDependency(
+            "the redis storage needs the redis client: pip install 'kvoffload[redis]'"
+        ) from exc
+    return redis.asyncio
+
+
+class RedisStorage(Storage):
+    """Pages in Redis at ``url`` under ``prefix``; many workers may share one server.
+
+    ``url`` is a ``redis://`` / ``rediss://`` / ``unix://`` URL as redis-py reads it;
+    the query may also carry ``prefix=`` and ``ttl_s=`` (taken out before redis-py
+    sees the URL). ``ttl_s`` expires pages that many seconds after their last write
+    (``None``: never; use Redis's ``maxmemory-policy`` to evict instead). Creating the
+    store does not connect; the first command does.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        parts = urlsplit(url)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        opts = {k: v for k, v in query if k in ("prefix", "ttl_s")}
+        rest = [(k, v) for k, v in query if k not in ("prefix", "ttl_s")]
+        if prefix is None:
+            prefix = opts.get("prefix", DEFAULT_PREFIX)
+        if ttl_s is None and "ttl_s" in opts:
+            try:
+                ttl_s = float(opts["ttl_s"])
+            except ValueError:
+                bad = opts["ttl_s"]
+                raise ConfigError(f"redis storage: ttl_s={bad!r} in the URL is not a number") from None
+        if ttl_s is not None and not ttl_s > 0:
+            raise ConfigError(f"redis storage: ttl_s must be > 0 or None, got {ttl_s!r}")
+        self.url = urlunsplit(parts._replace(query=urlencode(rest)))
+        # For logs and errors: the URL without its password.
+        self.display_url = self.url
+        if parts.password is not None:
+            self.display_url = self.url.replace(f":{parts.password}@", ":***@", 1)
+        self.prefix = prefix
+        self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        aredis = _redis_asyncio()
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        try:
+            self.client: redis.asyncio.Redis = aredis.Redis.from_url(
+                self.url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"redis storage: bad URL {self.display_url!r}: {exc}") from exc
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key, page in zip(keys, pages, strict=True):
+            pipe.set(self._k(key), encode_header(key, page) + page, px=self.ttl_ms)
+        await self._run(pipe, "write")
+
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._k(key))
+        records = await self._run(pipe, "read")
+        return [decode(key, rec) for key, rec in zip(keys, records, strict=True)]
+
+    async def exists_prefix(self, keys: Sequence[str]) -> int:
+        """One pipelined EXISTS per key; the record itself is checked on read."""
+        if not keys:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._k(key))
+        n = 0
+        for found in await self._run(pipe, "read"):
+            if not found:
+                break
+            n += 1
+        return n
+
+    async def _run(self, pipe: Any, what: str) -> list[Any]:
+        from redis.exceptions import RedisError
+
+        try:
+            result: list[Any] = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StorageError(f"redis storage at {self.display_url}: {what} failed: {exc!r}") from exc
+        return result
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def describe(self) -> dict[str, Any]:
+        return {"storage": self.name, "url": self.display_url, "prefix": self.prefix}
+
+    def __repr__(self) -> str:
+        return f"<RedisStorage {self.display_url} prefix={self.prefix!r}>"
