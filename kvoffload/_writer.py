@@ -37,8 +37,18 @@ async def write_chunk(mgr: OffloadManager, storage: Storage, t: Transfer) -> Non
     except Exception as exc:
         c.pages_store_failed += n
         logger.warning("storage.failed", transfer=t.id, pages=n, error=repr(exc))
+        if mgr._listeners:
+            _notify(mgr, "storage.failed", t, error=repr(exc))
         return
     c.pages_stored += n
     if mgr._listeners:
-        for fn in mgr._listeners:
-            fn("storage.written", {"transfer": t.id, "pages": n, "t": mgr.clock()})
+        _notify(mgr, "storage.written", t)
+
+
+def _notify(mgr: OffloadManager, name: str, t: Transfer, **extra: object) -> None:
+    n = len(t.host_pages)
+    lc = t.lifecycle
+    fields = {"lifecycle": lc.id, "rid": lc.rid, "transfer": t.id, "pages": n}
+    fields.update(bytes=n * mgr.page_bytes, t=mgr.clock(), **extra)
+    for fn in mgr._listeners:
+        fn(name, fields)

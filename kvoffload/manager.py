@@ -78,6 +78,8 @@ class OffloadManager:
         self.device_pool: DevicePool
         self.host_pool: HostPool
         self.device_pool, self.host_pool = self.backend.create_pools(config)
+        # page_bytes: bytes of one page (for the ``bytes`` field of events).
+        self.page_bytes = self.host_pool.tensor[0].numel() * self.host_pool.tensor.element_size()
         # _live: every lifecycle admitted and not RELEASED, by lifecycle id (never by rid).
         # Invariant: all(lc._s != RELEASED for lc in self._live.values())
         self._live: dict[LifecycleId, Lifecycle] = {}
@@ -321,7 +323,14 @@ class OffloadManager:
         c.pages_inflight += npages
         if self._listeners or debug_enabled():
             self._emit(
-                "transfer.submitted", lc, transfer=t.id, pages=npages, tokens=n, first_token=t.first_token
+                "transfer.submitted",
+                lc,
+                transfer=t.id,
+                pages=npages,
+                bytes=npages * self.page_bytes,
+                tokens=n,
+                first_token=t.first_token,
+                stream=t.stream,
             )
         self._fire(lc, _SUBMIT)
         return True
@@ -357,7 +366,7 @@ class OffloadManager:
             self._last_drop_log = now
             self._drops_since_log = 0
         if self._listeners:
-            self._emit("chunk.dropped", lc, pages=npages)
+            self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
     def _pump_deferred(self) -> None:
         """Submit deferred chunks, oldest first, while host pages last; drop the expired."""
@@ -416,13 +425,23 @@ class OffloadManager:
             e = _FAILED
             logger.warning("transfer.failed", rid=lc.rid, lifecycle=lc.id, transfer=t.id, error=repr(error))
             if self._listeners:
-                self._emit("transfer.failed", lc, transfer=t.id, pages=npages, error=repr(error))
+                self._emit(
+                    "transfer.failed",
+                    lc,
+                    transfer=t.id,
+                    pages=npages,
+                    bytes=npages * self.page_bytes,
+                    latency_s=now - t.submitted_at,
+                    error=repr(error),
+                )
         elif lc._aborted:
             c.chunks_discarded += 1
             c.pages_discarded += npages
             e = _DONE
             if self._listeners or debug_enabled():
-                self._emit("transfer.discarded", lc, transfer=t.id, pages=npages)
+                self._emit(
+                    "transfer.discarded", lc, transfer=t.id, pages=npages, latency_s=now - t.submitted_at
+                )
         else:
             c.chunks_copied += 1
             c.pages_copied += npages
@@ -441,6 +460,7 @@ class OffloadManager:
                     lc,
                     transfer=t.id,
                     pages=npages,
+                    bytes=npages * self.page_bytes,
                     latency_s=now - t.submitted_at,
                 )
         if free_host:
