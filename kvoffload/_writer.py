@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload._events import logger
+from kvoffload._events import debug_enabled, logger
 
 if TYPE_CHECKING:
     from kvoffload.abc import Storage, Transfer
@@ -41,14 +41,18 @@ async def write_chunk(mgr: OffloadManager, storage: Storage, t: Transfer) -> Non
             _notify(mgr, "storage.failed", t, error=repr(exc))
         return
     c.pages_stored += n
-    if mgr._listeners:
-        _notify(mgr, "storage.written", t)
+    if mgr._listeners or debug_enabled():
+        fields = _notify(mgr, "storage.written", t)
+        if debug_enabled():
+            logger.debug("storage.written", **fields)
 
 
-def _notify(mgr: OffloadManager, name: str, t: Transfer, **extra: object) -> None:
+def _notify(mgr: OffloadManager, name: str, t: Transfer, **extra: object) -> dict[str, object]:
+    """Send event ``name`` about ``t`` to the listeners; return its fields."""
     n = len(t.host_pages)
     lc = t.lifecycle
     fields = {"lifecycle": lc.id, "rid": lc.rid, "transfer": t.id, "pages": n}
     fields.update(bytes=n * mgr.page_bytes, t=mgr.clock(), **extra)
     for fn in mgr._listeners:
         fn(name, fields)
+    return fields

@@ -94,6 +94,8 @@ def mermaid(spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> s
                 label = f"{state}: {', '.join(marks[state])}"
                 line = f'  state "{label}" as {state}'
         lines.append(line.replace("[guard_", "[").rstrip())
+    if len(lines) > 2 and lines[0] == lines[2] == "---" and ":" not in lines[1]:
+        lines[1] = f"title: {lines[1]}"  # mermaid front matter is YAML: a title key
     return "\n".join(lines).strip() + "\n"
 
 

@@ -343,7 +343,7 @@ class OffloadManager:
                 self._deferred.append(lc)
                 c.chunks_deferred += 1
                 if self._listeners or debug_enabled():
-                    self._emit("chunk.deferred", lc, pages=npages)
+                    self._emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
             return
         self._drop(lc, npages)
 
@@ -440,7 +440,12 @@ class OffloadManager:
             e = _DONE
             if self._listeners or debug_enabled():
                 self._emit(
-                    "transfer.discarded", lc, transfer=t.id, pages=npages, latency_s=now - t.submitted_at
+                    "transfer.discarded",
+                    lc,
+                    transfer=t.id,
+                    pages=npages,
+                    bytes=npages * self.page_bytes,
+                    latency_s=now - t.submitted_at,
                 )
         else:
             c.chunks_copied += 1

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvoffload.errors import MissingDependency
 
-__all__ = ["StateSpan", "TraceRecorder", "TransferSpan"]
+__all__ = ["StateSpan", "TraceRecorder", "TransferSpan", "check_chrome_trace"]
 
 _PID_LIFECYCLES = 1
 _PID_STREAMS = 2
@@ -167,7 +167,7 @@ class TraceRecorder:
             end = s.end if s.end is not None else last
             events.append(
                 {"name": s.state, "ph": "X", "pid": _PID_LIFECYCLES, "tid": s.lifecycle, "ts": us(s.start),
-                 "dur": max(us(end) - us(s.start), 0.0), "cat": "lifecycle",
+                 "dur": round(max(us(end) - us(s.start), 0.0), 3), "cat": "lifecycle",
                  "args": {"rid": str(s.rid), "lifecycle": s.lifecycle}}
             )  # fmt: skip
         for tr in self.transfers.values():
@@ -180,7 +180,7 @@ class TraceRecorder:
             end = tr.end if tr.end is not None else last
             events.append(
                 {"name": f"transfer {tr.transfer}", "ph": "X", "pid": _PID_STREAMS, "tid": tid,
-                 "ts": us(tr.start), "dur": max(us(end) - us(tr.start), 0.0), "cat": "transfer",
+                 "ts": us(tr.start), "dur": round(max(us(end) - us(tr.start), 0.0), 3), "cat": "transfer",
                  "args": {"lifecycle": tr.lifecycle, "rid": str(tr.rid), "pages": tr.pages,
                           "outcome": tr.outcome}}
             )  # fmt: skip
@@ -240,3 +240,46 @@ class TraceRecorder:
 
 def _meta(kind: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
     return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "ts": 0, "args": args}
+
+
+def check_chrome_trace(trace: Any) -> None:
+    """Raise ``ValueError`` naming the first problem if ``trace`` is not a Chrome-trace
+    object as :meth:`TraceRecorder.chrome_trace` promises: a ``traceEvents`` list of
+    events with ``name``, ``ph`` in M/X/i, int ``pid``/``tid``, numeric ``ts`` >= 0;
+    ``X`` events with ``dur`` >= 0; on each (pid, tid), ``ts`` non-decreasing and no
+    two ``X`` slices overlapping; every track named by a ``thread_name`` event."""
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ValueError("not a Chrome trace: no traceEvents list")
+    last: dict[tuple[int, int], float] = {}
+    slice_end: dict[tuple[int, int], float] = {}
+    named: set[tuple[int, int]] = set()
+    used: set[tuple[int, int]] = set()
+    for i, e in enumerate(trace["traceEvents"]):
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise ValueError(f"event {i} has no name: {e!r}")
+        ph = e.get("ph")
+        if ph not in ("M", "X", "i"):
+            raise ValueError(f"event {i} has phase {ph!r}; expected M, X or i")
+        if not isinstance(e.get("pid"), int) or not isinstance(e.get("tid"), int):
+            raise ValueError(f"event {i} lacks an int pid/tid: {e!r}")
+        track = (e["pid"], e["tid"])
+        if ph == "M":
+            if e["name"] == "thread_name":
+                named.add(track)
+            continue
+        ts = e.get("ts")
+        if not isinstance(ts, (int, float)) or ts < 0:
+            raise ValueError(f"event {i} has a bad ts {ts!r}")
+        if ts < last.get(track, 0.0):
+            raise ValueError(f"event {i}: ts {ts} goes back in time on track {track}")
+        last[track] = ts
+        used.add(track)
+        if ph == "X":
+            dur = e.get("dur")
+            if not isinstance(dur, (int, float)) or dur < 0:
+                raise ValueError(f"event {i} has a bad dur {dur!r}")
+            if ts < slice_end.get(track, 0.0) - 1e-3:
+                raise ValueError(f"event {i} overlaps the previous slice on track {track}")
+            slice_end[track] = ts + dur
+    if unnamed := used - named:
+        raise ValueError(f"tracks without a thread_name: {sorted(unnamed)}")
