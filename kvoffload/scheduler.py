@@ -100,20 +100,25 @@ class DecodeScheduler:
         self._sim = backend if isinstance(backend, SimBackend) else None
         step_s = self.spec.step_ms / 1000
         start = time.monotonic()
-        async with anyio.create_task_group() as tg:
-            while self._arrivals or self._queue or self._running:
-                now = time.monotonic() - start
-                self._admit_arrivals(now)
-                self._decode_step(tg)
-                self._play_copy_engine()
-                self.result.steps += 1
-                if self.check_every and self.result.steps % self.check_every == 0:
-                    self.mgr.check_invariants()
-                    self.result.invariant_checks += 1
-                await anyio.sleep(step_s)  # the forward pass; completions arrive meanwhile
-            while self._sim is not None and self._sim.pending:  # the last copies
-                self._play_copy_engine()
-                await anyio.sleep(step_s)
+        try:
+            async with anyio.create_task_group() as tg:
+                while self._arrivals or self._queue or self._running:
+                    now = time.monotonic() - start
+                    self._admit_arrivals(now)
+                    self._decode_step(tg)
+                    self._play_copy_engine()
+                    self.result.steps += 1
+                    if self.check_every and self.result.steps % self.check_every == 0:
+                        self.mgr.check_invariants()
+                        self.result.invariant_checks += 1
+                    await anyio.sleep(step_s)  # the forward pass; completions arrive meanwhile
+                while self._sim is not None and self._sim.pending:  # the last copies
+                    self._play_copy_engine()
+                    await anyio.sleep(step_s)
+        except BaseException:
+            if self._sim is not None:  # the copy engine stops with us: let the manager drain
+                self._sim.complete_all()
+            raise
         await self.mgr.wait_drained()
         self.mgr.check_invariants()
         self.result.invariant_checks += 1

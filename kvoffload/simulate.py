@@ -62,11 +62,12 @@ async def simulate(
                 mgr, requests, spec, on_release=(lambda n: bar[0].advance(bar[1], n)) if bar else None
             )
             try:
-                result = await sched.run()
-            finally:
-                result = sched.result
-    except KVOffloadError as exc:  # InvariantViolation, DrainTimeout, ...
-        error = f"{type(exc).__name__}: {exc}"
+                await sched.run()
+            except Exception as exc:
+                error = _describe(exc)
+            result = sched.result
+    except Exception as exc:  # DrainTimeout, or an error of a background task
+        error = error or _describe(exc)
     finally:
         if bar is not None:
             bar[0].stop()
@@ -102,6 +103,18 @@ def run_simulation(
 ) -> dict[str, Any]:
     """:func:`simulate` on a fresh asyncio event loop (for the command line)."""
     return asyncio.run(simulate(spec, config, backend, storage, store_desc, progress=progress, trace=trace))
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of a kvoffload error, looking inside exception groups; any
+    other exception is a bug of this program and propagates."""
+    from kvoffload.errors import KVOffloadError
+
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    if isinstance(exc, KVOffloadError):
+        return f"{type(exc).__name__}: {exc}"
+    raise exc
 
 
 def _progress(total: int) -> tuple[Any, Any]:
