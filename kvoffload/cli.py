@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 __all__ = ["main"]
 
@@ -159,40 +157,9 @@ def _graph(args: argparse.Namespace) -> int:
 # --- simulate -------------------------------------------------------------------------
 
 
-def _choose_backend(name: str) -> str:
-    from kvoffload.backends import BACKENDS
-
-    if name == "auto":
-        return "cpu" if "cpu" in BACKENDS else "sim"
-    if name not in BACKENDS:
-        raise ValueError(
-            f"--backend {name!r} is not available here; choose auto or one of {sorted(BACKENDS)}"
-        )
-    return name
-
-
-def _choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
-    """(storage for the manager, how to describe it)."""
-    from kvoffload.errors import ConfigError
-    from kvoffload.storage import resolve_storage
-
-    if name == "none":
-        return None, "none"
-    if name == "auto":
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-sim-"))
-        try:
-            return resolve_storage(tmp), f"file ({tmp}, removed at exit)"
-        except ConfigError:
-            return resolve_storage("memory"), "memory (no file store in this build)"
-    try:
-        store = resolve_storage(name)
-    except ConfigError as exc:
-        raise ValueError(f"--store: {exc}") from None
-    return store, name
-
-
 def _simulate(args: argparse.Namespace) -> int:
     import kvoffload as kvo
+    from kvoffload.simulate import choose_backend, choose_store
     from kvoffload.workload import WorkloadSpec
 
     for path, opt in ((args.json, "--json"), (args.trace, "--trace")):
@@ -221,12 +188,12 @@ def _simulate(args: argparse.Namespace) -> int:
             stuck_after_s=args.stuck_after_ms / 1000,
             watchdog_interval_s=min(0.1, args.stuck_after_ms / 4000),
         )
-        backend = _choose_backend(args.backend)
+        backend = choose_backend(args.backend)
     except (kvo.ConfigError, ValueError) as exc:
         return _fail(EXIT_USAGE, str(exc))
     with ExitStack() as stack:
         try:
-            storage, store_desc = _choose_store(args.store, stack)
+            storage, store_desc = choose_store(args.store, stack)
         except ValueError as exc:
             return _fail(EXIT_USAGE, str(exc))
         from kvoffload.simulate import run_simulation

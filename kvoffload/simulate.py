@@ -10,6 +10,8 @@ rich tables. Both are usable from a notebook.
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,44 @@ from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.workload import WorkloadSpec
 
-__all__ = ["print_summary", "run_simulation", "simulate"]
+__all__ = ["choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+
+
+def choose_backend(name: str = "auto") -> str:
+    """The backend name to use: ``auto`` is ``cpu`` when this build has it, else ``sim``
+    (whose copies the scheduler completes). Raises ``ValueError`` for one not here."""
+    from kvoffload.backends import BACKENDS
+
+    if name == "auto":
+        return "cpu" if "cpu" in BACKENDS else "sim"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"--backend {name!r} is not available here; choose auto or one of {sorted(BACKENDS)}"
+        )
+    return name
+
+
+def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
+    """(storage for the manager, a description) for ``name``: ``auto`` is the file store
+    in a temporary directory (removed when ``stack`` closes) when this build has it,
+    else the memory store; ``none``; or anything ``resolve_storage`` accepts (a name,
+    a directory, a URL). Raises ``ValueError`` for one it does not."""
+    from kvoffload.errors import ConfigError
+    from kvoffload.storage import resolve_storage
+
+    if name == "none":
+        return None, "none"
+    if name == "auto":
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-sim-"))
+        try:
+            return resolve_storage(tmp), f"file ({tmp}, removed at exit)"
+        except ConfigError:
+            return resolve_storage("memory"), "memory (no file store in this build)"
+    try:
+        store = resolve_storage(name)
+    except ConfigError as exc:
+        raise ValueError(f"--store: {exc}") from None
+    return store, name
 
 
 async def simulate(
