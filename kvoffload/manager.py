@@ -425,28 +425,13 @@ class OffloadManager:
             e = _FAILED
             logger.warning("transfer.failed", rid=lc.rid, lifecycle=lc.id, transfer=t.id, error=repr(error))
             if self._listeners:
-                self._emit(
-                    "transfer.failed",
-                    lc,
-                    transfer=t.id,
-                    pages=npages,
-                    bytes=npages * self.page_bytes,
-                    latency_s=now - t.submitted_at,
-                    error=repr(error),
-                )
+                self._emit_delivery("transfer.failed", t, now, error=repr(error))
         elif lc._aborted:
             c.chunks_discarded += 1
             c.pages_discarded += npages
             e = _DONE
             if self._listeners or debug_enabled():
-                self._emit(
-                    "transfer.discarded",
-                    lc,
-                    transfer=t.id,
-                    pages=npages,
-                    bytes=npages * self.page_bytes,
-                    latency_s=now - t.submitted_at,
-                )
+                self._emit_delivery("transfer.discarded", t, now)
         else:
             c.chunks_copied += 1
             c.pages_copied += npages
@@ -460,14 +445,7 @@ class OffloadManager:
             else:
                 c.pages_not_stored += npages
             if self._listeners or debug_enabled():
-                self._emit(
-                    "transfer.completed",
-                    lc,
-                    transfer=t.id,
-                    pages=npages,
-                    bytes=npages * self.page_bytes,
-                    latency_s=now - t.submitted_at,
-                )
+                self._emit_delivery("transfer.completed", t, now)
         if free_host:
             self.host_pool.free(t.host_pages)
         self._fire(lc, e)
@@ -599,6 +577,18 @@ class OffloadManager:
             if log is None:
                 log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
             log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+
+    def _emit_delivery(self, name: str, t: Transfer, now: float, **extra: Any) -> None:
+        npages = len(t.host_pages)
+        self._emit(
+            name,
+            t.lifecycle,
+            transfer=t.id,
+            pages=npages,
+            bytes=npages * self.page_bytes,
+            latency_s=now - t.submitted_at,
+            **extra,
+        )
 
     def _emit_transition(self, lc: Lifecycle, s: int, dest: int, e: int) -> None:
         self._emit(

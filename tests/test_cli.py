@@ -62,7 +62,8 @@ def test_reused_ids_get_late_completions_delivered_to_their_own_lifecycle(
 ) -> None:
     """With every arrival reusing a finishing id and slow copies, some completions
     arrive while their rid is shared, and each reaches the lifecycle that submitted it."""
-    argv = [*SMALL, "--reuse", "1", "--copy-delay-ms", "20", "--requests", "60", "--arrival-rate", "1000"]
+    argv = [*SMALL, "--backend", "sim", "--reuse", "1", "--copy-delay-ms", "20", "--requests", "60"]
+    argv += ["--arrival-rate", "1000"]
     code, out, _ = run([*argv, "--json", str(tmp_path / "s.json")], capsys)
     assert code == 0, out
     report = json.loads((tmp_path / "s.json").read_text())
@@ -186,3 +187,17 @@ async def test_the_monitor_counts_a_late_completion_on_the_readme_story() -> Non
     assert monitor.late_completions == 1  # the new one's completion: its rid was no longer shared
     (done,) = [f for n, f in seen if n == "transfer.completed" and f["lifecycle"] == old.id]
     assert done["rid"] == "r1"
+
+
+def test_slow_copies_are_reported_by_the_watchdog(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Copies slower than --stuck-after-ms show up as stuck reports (FAILURES F18), in
+    the summary and as instant events on the timeline; the run still balances."""
+    argv = [*SMALL, "--backend", "sim", "--copy-delay-ms", "40", "--stuck-after-ms", "5", "--requests", "20"]
+    code, out, _ = run(
+        [*argv, "--json", str(tmp_path / "s.json"), "--trace", str(tmp_path / "t.json")], capsys
+    )
+    assert code == 0, out
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["watchdog"]["stuck_reports"] > 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e["name"] == "lifecycle.stuck" for e in trace["traceEvents"])
