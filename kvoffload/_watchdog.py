@@ -52,7 +52,10 @@ def report_stuck(mgr: OffloadManager) -> None:
             oldest_transfer_age_s=None if oldest is None else round(mgr.clock() - oldest, 3),
         )
         for fn in mgr._listeners:
-            fn("lifecycle.stuck", {"lifecycle": lid, "rid": lc.rid, "seconds": age, "t": mgr.clock()})
+            fn(
+                "lifecycle.stuck",
+                {"lifecycle": lid, "rid": lc.rid, "state": lc.state.name, "seconds": age, "t": mgr.clock()},
+            )
     live = mgr._live
     for mark in [m for m in reported if m[0] not in live or live[m[0]].state_since != m[1]]:
         reported.discard(mark)

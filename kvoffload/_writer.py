@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from kvoffload._events import logger
+from kvoffload._events import STRUCTLOG, debug_enabled, logger
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -128,8 +128,11 @@ async def write_chunk(
             continue
         c.pages_stored += n
         if burst.since is not None:
-            _recovered(mgr, burst)
-        _notify(mgr, "storage.written", transfer=t.id, pages=n, attempts=attempt + 1)
+            _recovered(mgr, burst, t)
+        if mgr._listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            fields = _notify(mgr, "storage.written", t, attempts=attempt + 1)
+            if STRUCTLOG.is_configured and debug_enabled():
+                logger.debug("storage.written", **fields)
         return True
     assert error is not None
     c.pages_store_failed += n
@@ -163,10 +166,11 @@ def _failed(mgr: OffloadManager, burst: _Burst, t: Transfer, n: int, attempts: i
         burst.logged_pages = burst.pages + n
     burst.chunks += 1
     burst.pages += n
-    _notify(mgr, "storage.failed", transfer=t.id, pages=n, attempts=attempts, error=repr(error))
+    if mgr._listeners:
+        _notify(mgr, "storage.failed", t, attempts=attempts, error=repr(error))
 
 
-def _recovered(mgr: OffloadManager, burst: _Burst) -> None:
+def _recovered(mgr: OffloadManager, burst: _Burst, t: Transfer) -> None:
     assert burst.since is not None
     fields = {
         "chunks_failed": burst.chunks,
@@ -176,14 +180,19 @@ def _recovered(mgr: OffloadManager, burst: _Burst) -> None:
     logger.info("storage.recovered", **fields)
     burst.since = None
     burst.chunks = burst.pages = burst.logged_pages = 0
-    _notify(mgr, "storage.recovered", **fields)
-
-
-def _notify(mgr: OffloadManager, name: str, **fields: object) -> None:
     if mgr._listeners:
-        fields["t"] = mgr.clock()
-        for fn in mgr._listeners:
-            fn(name, fields)
+        _notify(mgr, "storage.recovered", t, **fields)
+
+
+def _notify(mgr: OffloadManager, name: str, t: Transfer, **extra: object) -> dict[str, object]:
+    """Send event ``name`` about ``t`` to the listeners; return its fields."""
+    n = len(t.host_pages)
+    lc = t.lifecycle
+    fields: dict[str, object] = {"lifecycle": lc.id, "rid": lc.rid, "transfer": t.id, "pages": n}
+    fields.update(bytes=n * mgr.page_bytes, t=mgr.clock(), **extra)
+    for fn in mgr._listeners:
+        fn(name, fields)
+    return fields
 
 
 async def write_loop(mgr: OffloadManager) -> None:

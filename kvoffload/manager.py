@@ -84,6 +84,8 @@ class OffloadManager:
         self.device_pool: DevicePool
         self.host_pool: HostPool
         self.device_pool, self.host_pool = self.backend.create_pools(config)
+        # page_bytes: bytes of one page (for the ``bytes`` field of events).
+        self.page_bytes = self.host_pool.tensor[0].numel() * self.host_pool.tensor.element_size()
         # _live: every lifecycle admitted and not RELEASED, by lifecycle id (never by rid).
         # Invariant: all(lc._s != RELEASED for lc in self._live.values())
         self._live: dict[LifecycleId, Lifecycle] = {}
@@ -333,7 +335,14 @@ class OffloadManager:
         c.pages_inflight += npages
         if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit(
-                "transfer.submitted", lc, transfer=t.id, pages=npages, tokens=n, first_token=t.first_token
+                "transfer.submitted",
+                lc,
+                transfer=t.id,
+                pages=npages,
+                bytes=npages * self.page_bytes,
+                tokens=n,
+                first_token=t.first_token,
+                stream=t.stream,
             )
         self._fire(lc, _SUBMIT)
         return True
@@ -346,7 +355,7 @@ class OffloadManager:
                 self._deferred.append(lc)
                 c.chunks_deferred += 1
                 if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                    self._emit("chunk.deferred", lc, pages=npages)
+                    self._emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
             return
         self._drop(lc, npages)
 
@@ -369,7 +378,7 @@ class OffloadManager:
             self._last_drop_log = now
             self._drops_since_log = 0
         if self._listeners:
-            self._emit("chunk.dropped", lc, pages=npages)
+            self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
     def _pump_deferred(self) -> None:
         """Submit deferred chunks, oldest first, while host pages last; drop the expired."""
@@ -428,13 +437,13 @@ class OffloadManager:
             e = _FAILED
             logger.warning("transfer.failed", rid=lc.rid, lifecycle=lc.id, transfer=t.id, error=repr(error))
             if self._listeners:
-                self._emit("transfer.failed", lc, transfer=t.id, pages=npages, error=repr(error))
+                self._emit_delivery("transfer.failed", t, now, error=repr(error))
         elif lc._aborted:
             c.chunks_discarded += 1
             c.pages_discarded += npages
             e = _DONE
             if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit("transfer.discarded", lc, transfer=t.id, pages=npages)
+                self._emit_delivery("transfer.discarded", t, now)
         else:
             c.chunks_copied += 1
             c.pages_copied += npages
@@ -448,9 +457,7 @@ class OffloadManager:
             else:
                 c.pages_not_stored += npages
             if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit(
-                    "transfer.completed", lc, transfer=t.id, pages=npages, latency_s=now - t.submitted_at
-                )
+                self._emit_delivery("transfer.completed", t, now)
         if free_host:
             self.host_pool.free(host)
         self._fire(lc, e, now)
@@ -602,6 +609,18 @@ class OffloadManager:
             if log is None:
                 log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
             log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+
+    def _emit_delivery(self, name: str, t: Transfer, now: float, **extra: Any) -> None:
+        npages = len(t.host_pages)
+        self._emit(
+            name,
+            t.lifecycle,
+            transfer=t.id,
+            pages=npages,
+            bytes=npages * self.page_bytes,
+            latency_s=now - t.submitted_at,
+            **extra,
+        )
 
     def _emit_transition(self, lc: Lifecycle, s: int, dest: int, e: int) -> None:
         self._emit(

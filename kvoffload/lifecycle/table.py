@@ -84,11 +84,16 @@ def _machine_transitions(spec: LifecycleSpec) -> list[dict[str, Any]]:
     return out
 
 
-def build_machine(spec: LifecycleSpec = SPEC, model: Any = None, **kwargs: Any) -> Any:
-    """A ``transitions`` Machine built from the declaration (``model=None`` by default)."""
-    from transitions import Machine
+def build_machine(
+    spec: LifecycleSpec = SPEC, model: Any = None, machine_cls: Any = None, **kwargs: Any
+) -> Any:
+    """A ``transitions`` Machine built from the declaration (``model=None`` by default).
 
-    return Machine(
+    ``machine_cls`` is a ``Machine`` subclass (the diagrams use ``GraphMachine``)."""
+    if machine_cls is None:
+        from transitions import Machine as machine_cls
+
+    return machine_cls(
         model=model,
         states=[s.name for s in spec.states],
         initial=spec.initial.name,

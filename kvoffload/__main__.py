@@ -1,0 +1,7 @@
+"""``python -m kvoffload`` is the ``kvoffload`` command."""
+
+from __future__ import annotations
+
+from kvoffload.cli import main
+
+raise SystemExit(main())

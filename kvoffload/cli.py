@@ -1,0 +1,207 @@
+"""``kvoffload simulate`` and ``kvoffload graph``.
+
+``simulate`` plays a seeded synthetic decode workload (:mod:`kvoffload.workload`)
+through the scheduler loop (:mod:`kvoffload.scheduler`) on the embedded defaults —
+the ``cpu`` backend and the file store in a temporary directory when they are
+available, else the ``sim`` backend (the loop completes copies) and the memory
+store — shows a progress bar, prints a summary and exits non-zero if the ledger
+check fails. ``graph`` draws the lifecycle from its declaration.
+
+Exit codes: 0 ok; 1 an invariant failed (or a completion reached the wrong
+lifecycle); 2 bad options; 3 a missing optional dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_INVARIANT, EXIT_USAGE, EXIT_MISSING = 0, 1, 2, 3
+
+
+def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
+    """An argparse ``type=``: ``convert`` the text, then insist on ``ok``; the error
+    says ``expected <what>`` (argparse turns it into a usage error, exit 2)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _checked(int, lambda v: v > 0, "a positive integer")
+_share = _checked(float, lambda v: 0.0 <= v <= 1.0, "a share between 0 and 1")
+_nonneg = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from kvoffload.graph import FORMATS
+    from kvoffload.workload import WorkloadSpec
+
+    d = WorkloadSpec()
+    p = argparse.ArgumentParser(prog="kvoffload", description="KV-offload lifecycles: simulate, draw.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{simulate,graph}")
+
+    s = sub.add_parser("simulate", help="run a synthetic decode workload and print a summary")
+    w = s.add_argument_group("workload")
+    w.add_argument("--requests", type=_positive_int, default=d.requests, help="requests (%(default)s)")
+    w.add_argument("--arrival-rate", type=_nonneg, default=d.arrival_rate, help="arrivals/s (%(default)s)")
+    w.add_argument("--prompt-mean", type=_positive_int, default=d.prompt_mean, help="mean prompt tokens")
+    w.add_argument("--output-mean", type=_positive_int, default=d.output_mean, help="mean output tokens")
+    w.add_argument("--reuse", type=_share, default=d.reuse, help="share reusing a finishing request's id")
+    w.add_argument("--abort", type=_share, default=d.abort, help="share of requests aborted")
+    w.add_argument("--fail", type=_share, default=d.fail, help="share of copies that fail (injected)")
+    w.add_argument("--step-ms", type=_nonneg, default=d.step_ms, help="decode step duration (%(default)s)")
+    w.add_argument("--copy-delay-ms", type=_nonneg, default=d.copy_delay_ms, help="sim: mean copy latency")
+    w.add_argument("--seed", type=int, default=d.seed, help="seed (%(default)s)")
+    c = s.add_argument_group("offload")
+    c.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (%(default)s)")
+    c.add_argument("--stride", type=_positive_int, default=64, help="tokens per chunk (%(default)s)")
+    c.add_argument("--device-pages", type=_positive_int, default=8192, help="device pool pages")
+    c.add_argument("--host-pages", type=_positive_int, default=256, help="host pool pages (%(default)s)")
+    c.add_argument("--kv-dim", type=_positive_int, default=256, help="KV elements per token (%(default)s)")
+    c.add_argument("--on-host-full", choices=("drop", "wait"), default="drop")
+    c.add_argument("--stuck-after-ms", type=_nonneg, default=500.0, help="watchdog deadline")
+    c.add_argument("--backend", default="auto", help="auto (cpu if available, else sim), cpu, sim")
+    c.add_argument(
+        "--store", default="auto", help="auto (file store in a temp dir), a directory, memory, none"
+    )
+    o = s.add_argument_group("output")
+    o.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
+    o.add_argument("--trace", type=Path, metavar="PATH", help="write a Chrome-trace/Perfetto timeline")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="error",
+        help="kvoffload events at or above this level go to stderr (%(default)s)",
+    )
+
+    g = sub.add_parser("graph", help="draw the lifecycle state graph from its declaration")
+    g.add_argument("--format", choices=FORMATS, default="mermaid")
+    g.add_argument("--output", "-o", type=Path, metavar="PATH", help="write here instead of stdout")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvoffload`` command; returns the exit code."""
+    args = _parser().parse_args(argv)  # bad options: argparse prints usage, exits 2
+    if args.command == "graph":
+        return _graph(args)
+    import structlog
+
+    # The command line is an application: it chooses where kvoffload's events go (the
+    # library never configures structlog), and puts the caller's configuration back.
+    saved = structlog.get_config()
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(args.log_level.upper()),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    try:
+        return _simulate(args)
+    finally:
+        structlog.configure(**saved)
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"kvoffload: error: {message}", file=sys.stderr)
+    return code
+
+
+# --- graph ----------------------------------------------------------------------------
+
+
+def _graph(args: argparse.Namespace) -> int:
+    from kvoffload.errors import MissingDependency
+    from kvoffload.graph import render
+
+    if args.output is not None and not args.output.parent.is_dir():
+        return _fail(EXIT_USAGE, f"--output: directory {args.output.parent} does not exist")
+    try:
+        out = render(args.format)
+    except MissingDependency as exc:
+        return _fail(EXIT_MISSING, str(exc))
+    if args.output is not None:
+        if isinstance(out, bytes):
+            args.output.write_bytes(out)
+        else:
+            args.output.write_text(out)
+    elif isinstance(out, bytes):
+        sys.stdout.buffer.write(out)
+    else:
+        sys.stdout.write(out)
+    return EXIT_OK
+
+
+# --- simulate -------------------------------------------------------------------------
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import kvoffload as kvo
+    from kvoffload.simulate import choose_backend, choose_store
+    from kvoffload.workload import WorkloadSpec
+
+    for path, opt in ((args.json, "--json"), (args.trace, "--trace")):
+        if path is not None and not path.parent.is_dir():
+            return _fail(EXIT_USAGE, f"{opt}: directory {path.parent} does not exist")
+    try:
+        spec = WorkloadSpec(
+            requests=args.requests,
+            arrival_rate=args.arrival_rate,
+            prompt_mean=args.prompt_mean,
+            output_mean=args.output_mean,
+            reuse=args.reuse,
+            abort=args.abort,
+            fail=args.fail,
+            step_ms=args.step_ms,
+            copy_delay_ms=args.copy_delay_ms,
+            seed=args.seed,
+        )
+        config = kvo.OffloadConfig(
+            page_size=args.page_size,
+            stride=args.stride,
+            device_pages=args.device_pages,
+            host_pages=args.host_pages,
+            kv_shape=(args.kv_dim,),
+            on_host_full=args.on_host_full,
+            stuck_after_s=args.stuck_after_ms / 1000,
+            watchdog_interval_s=min(0.1, args.stuck_after_ms / 4000),
+        )
+        backend = choose_backend(args.backend)
+    except (kvo.ConfigError, ValueError) as exc:
+        return _fail(EXIT_USAGE, str(exc))
+    with ExitStack() as stack:
+        try:
+            storage, store_desc = choose_store(args.store, stack)
+        except ValueError as exc:
+            return _fail(EXIT_USAGE, str(exc))
+        from kvoffload.simulate import run_simulation
+
+        report = run_simulation(
+            spec, config, backend, storage, store_desc, progress=not args.no_progress, trace=args.trace
+        )
+    from kvoffload.simulate import print_summary
+
+    print_summary(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    if args.trace is not None:
+        print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

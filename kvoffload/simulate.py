@@ -1,0 +1,290 @@
+"""The body of ``kvoffload simulate``: run a workload, gather the figures, print them.
+
+:func:`run_simulation` opens an :class:`~kvoffload.OffloadManager`, attaches the
+:class:`~kvoffload.workload.RunMonitor` (and a :class:`~kvoffload.trace.TraceRecorder`
+when a timeline is asked for), drives the :class:`~kvoffload.scheduler.DecodeScheduler`
+and returns a plain dict (the ``--json`` output). :func:`print_summary` prints it as
+rich tables. Both are usable from a notebook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from kvoffload.abc import Storage
+from kvoffload.config import OffloadConfig
+from kvoffload.workload import WorkloadSpec
+
+__all__ = ["choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+
+
+def choose_backend(name: str = "auto") -> str:
+    """The backend name to use: ``auto`` is ``cpu`` when this build has it, else ``sim``
+    (whose copies the scheduler completes). Raises ``ValueError`` for one not here."""
+    from kvoffload.backends import BACKENDS
+
+    if name == "auto":
+        return "cpu" if "cpu" in BACKENDS else "sim"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"--backend {name!r} is not available here; choose auto or one of {sorted(BACKENDS)}"
+        )
+    return name
+
+
+def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
+    """(storage for the manager, a description) for ``name``: ``auto`` is the file store
+    in a temporary directory (removed when ``stack`` closes) when this build has it,
+    else the memory store; ``none``; or anything ``resolve_storage`` accepts (a name,
+    a directory, a URL). Raises ``ValueError`` for one it does not."""
+    from kvoffload.errors import ConfigError
+    from kvoffload.storage import resolve_storage
+
+    if name == "none":
+        return None, "none"
+    if name == "auto":
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-sim-"))
+        try:
+            return resolve_storage(tmp), f"file ({tmp}, removed at exit)"
+        except ConfigError:
+            return resolve_storage("memory"), "memory (no file store in this build)"
+    try:
+        store = resolve_storage(name)
+    except ConfigError as exc:
+        raise ValueError(f"--store: {exc}") from None
+    return store, name
+
+
+async def simulate(
+    spec: WorkloadSpec,
+    config: OffloadConfig,
+    backend: str = "sim",
+    storage: str | Storage | None = "memory",
+    store_desc: str | None = None,
+    *,
+    progress: bool = False,
+    trace: Any = None,
+) -> dict[str, Any]:
+    """Run ``spec`` on a fresh manager; return the summary dict (see the module doc).
+
+    ``trace`` is a :class:`~kvoffload.trace.TraceRecorder` to attach, or a path to
+    write one to. Never raises for a broken invariant: ``report["ledger"]["ok"]`` is
+    False and ``report["ledger"]["error"]`` says why.
+    """
+    from kvoffload.backends import resolve_backend
+    from kvoffload.errors import KVOffloadError
+    from kvoffload.manager import OffloadManager
+    from kvoffload.scheduler import DecodeScheduler, SchedulerResult
+    from kvoffload.trace import TraceRecorder
+    from kvoffload.workload import FaultyBackend, RunMonitor, plan
+
+    requests = plan(spec)
+    monitor = RunMonitor()
+    recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder() if trace is not None else None
+    faulty = FaultyBackend(resolve_backend(backend), spec.fail, spec.seed)
+    error: str | None = None
+    result = SchedulerResult()
+    bar = _progress(len(requests)) if progress else None
+    mgr = OffloadManager(config, backend=faulty, storage=storage)
+    mgr.add_listener(monitor)
+    if recorder is not None:
+        mgr.add_listener(recorder)
+    try:
+        if bar is not None:
+            bar[0].start()
+        async with mgr:
+            sched = DecodeScheduler(
+                mgr, requests, spec, on_release=(lambda n: bar[0].advance(bar[1], n)) if bar else None
+            )
+            try:
+                await sched.run()
+            except Exception as exc:
+                error = _describe(exc)
+            result = sched.result
+    except Exception as exc:  # DrainTimeout, or an error of a background task
+        error = error or _describe(exc)
+    finally:
+        if bar is not None:
+            bar[0].stop()
+    stats = mgr.statistics()
+    if error is None:
+        try:
+            mgr.check_invariants()
+        except KVOffloadError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if error is None and monitor.misdelivered:
+        error = f"{monitor.misdelivered} completions reached a lifecycle that did not submit them"
+    if error is None and (stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used):
+        error = (
+            f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
+            f"{stats.host_pages_used} host pages still held after the run"
+        )
+    if recorder is not None and not isinstance(trace, TraceRecorder):
+        recorder.write(Path(trace))
+    return _report(
+        spec, config, faulty.name, store_desc or str(storage), result, monitor, stats, error, faulty
+    )
+
+
+def run_simulation(
+    spec: WorkloadSpec,
+    config: OffloadConfig,
+    backend: str,
+    storage: str | Storage | None,
+    store_desc: str,
+    *,
+    progress: bool = False,
+    trace: Any = None,
+) -> dict[str, Any]:
+    """:func:`simulate` on a fresh asyncio event loop (for the command line)."""
+    return asyncio.run(simulate(spec, config, backend, storage, store_desc, progress=progress, trace=trace))
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` of a kvoffload error, looking inside exception groups; any
+    other exception is a bug of this program and propagates."""
+    from kvoffload.errors import KVOffloadError
+
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    if isinstance(exc, KVOffloadError):
+        return f"{type(exc).__name__}: {exc}"
+    raise exc
+
+
+def _progress(total: int) -> tuple[Any, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    p = Progress(
+        TextColumn("simulating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("requests released"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    return p, p.add_task("requests", total=total)
+
+
+def _report(
+    spec: WorkloadSpec,
+    config: OffloadConfig,
+    backend: str,
+    store: str,
+    r: Any,
+    m: Any,
+    stats: Any,
+    error: str | None,
+    faulty: Any,
+) -> dict[str, Any]:
+    from kvoffload.workload import percentiles
+
+    wall = max(r.wall_s, 1e-9)
+    ms = {k: round(v * 1e3, 3) for k, v in percentiles(m.transfer_latency_s).items()}
+    rel = {k: round(v * 1e3, 3) for k, v in percentiles(r.release_latency_s).items()}
+    return {
+        "setup": {
+            "backend": backend,
+            "store": store,
+            "workload": spec.as_dict(),
+            "config": {
+                "page_size": config.page_size,
+                "stride": config.stride,
+                "device_pages": config.device_pages,
+                "host_pages": config.host_pages,
+                "kv_shape": list(config.kv_shape),
+                "dtype": config.dtype,
+                "on_host_full": config.on_host_full,
+                "stuck_after_s": config.stuck_after_s,
+            },
+        },
+        "requests": {
+            "admitted": stats.admitted,
+            "completed": stats.released_completed,
+            "aborted": stats.released_aborted,
+            "failed": stats.released_failed,
+            "preempted": r.preempted,
+            "reused_ids": r.reused_ids,
+        },
+        "pages": {
+            "submitted": stats.pages_submitted,
+            "offloaded": stats.pages_copied,
+            "dropped": stats.pages_dropped,
+            "failed": stats.pages_failed,
+            "discarded": stats.pages_discarded,
+            "stored": stats.pages_stored,
+            "store_failed": stats.pages_store_failed,
+            "not_stored": stats.pages_not_stored,
+            "injected_copy_failures": faulty.injected,
+        },
+        "throughput": {
+            "wall_s": round(r.wall_s, 3),
+            "decode_steps": r.steps,
+            "requests_per_s": round(stats.admitted / wall, 1),
+            "pages_offloaded_per_s": round(stats.pages_copied / wall, 1),
+            "mb_copied_per_s": round(m.bytes_copied / wall / 1e6, 2),
+            "mb_stored": round(m.bytes_stored / 1e6, 2),
+        },
+        "latency_ms": {"transfer": ms, "release": rel},
+        "late_completions": {
+            "delivered_to_own_lifecycle": m.late_completions,
+            "misdelivered": m.misdelivered,
+        },
+        "watchdog": {"stuck_reports": stats.stuck_reports},
+        "ledger": {"ok": error is None, "error": error, "checks": r.invariant_checks},
+        "statistics": stats.as_dict(),
+    }
+
+
+def print_summary(report: dict[str, Any], console: Any = None) -> None:
+    """Print ``report`` (from :func:`simulate`) as tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = report["setup"]
+    t = Table(title=f"kvoffload simulate — backend {s['backend']}, store {s['store']}", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("figures")
+    q = report["requests"]
+    t.add_row(
+        "requests",
+        f"{q['admitted']} admitted: {q['completed']} completed, {q['aborted']} aborted "
+        f"({q['preempted']} preempted), {q['failed']} failed; {q['reused_ids']} reused a finishing id",
+    )
+    p = report["pages"]
+    t.add_row(
+        "pages",
+        f"{p['submitted']} submitted: {p['offloaded']} offloaded, {p['failed']} failed "
+        f"({p['injected_copy_failures']} chunks injected), {p['discarded']} discarded; "
+        f"{p['dropped']} dropped (host full); {p['stored']} stored, {p['store_failed']} store failed",
+    )
+    h = report["throughput"]
+    t.add_row(
+        "throughput",
+        f"{h['wall_s']} s, {h['decode_steps']} decode steps; {h['requests_per_s']} req/s, "
+        f"{h['pages_offloaded_per_s']} pages/s, {h['mb_copied_per_s']} MB/s copied, "
+        f"{h['mb_stored']} MB stored",
+    )
+    for name, label in (("transfer", "copy latency"), ("release", "finish→released")):
+        lat = report["latency_ms"][name]
+        t.add_row(label, "  ".join(f"{k} {v:.2f} ms" for k, v in lat.items()))
+    lc = report["late_completions"]
+    t.add_row(
+        "late completions",
+        f"{lc['delivered_to_own_lifecycle']} delivered to their own lifecycle while the id was reused; "
+        f"{lc['misdelivered']} misdelivered",
+    )
+    t.add_row("watchdog", f"{report['watchdog']['stuck_reports']} stuck reports")
+    led = report["ledger"]
+    t.add_row(
+        "ledger",
+        f"[green]OK[/green] ({led['checks']} checks)" if led["ok"] else f"[red]FAILED[/red]: {led['error']}",
+    )
+    console.print(t)

@@ -1,0 +1,203 @@
+"""``kvoffload simulate`` and ``kvoffload graph``: the figures add up, the ledger check
+decides the exit code, bad options exit 2 with a message, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvoffload as kvo
+from kvoffload import graph
+from kvoffload.backends import BACKENDS
+from kvoffload.cli import main
+from kvoffload.trace import check_chrome_trace
+from kvoffload.workload import RunMonitor, WorkloadSpec, plan
+
+# A small, quick workload (well under a second).
+SMALL = [
+    "simulate", "--requests", "40", "--prompt-mean", "40", "--output-mean", "24", "--page-size", "4",
+    "--stride", "8", "--step-ms", "0.2", "--copy-delay-ms", "1", "--arrival-rate", "2000",
+    "--no-progress",
+]  # fmt: skip
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """main(argv) -> (exit code, stdout, stderr); argparse's SystemExit becomes a code."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_reports_figures_that_add_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run exits 0 with a balanced ledger; every request has one outcome; every
+    submitted page was offloaded, failed or discarded; the JSON matches the table."""
+    code, out, _ = run(
+        [*SMALL, "--json", str(tmp_path / "s.json"), "--trace", str(tmp_path / "t.json")], capsys
+    )
+    assert code == 0, out
+    report = json.loads((tmp_path / "s.json").read_text())
+    q, p = report["requests"], report["pages"]
+    assert q["admitted"] == 40 == q["completed"] + q["aborted"] + q["failed"]
+    assert p["submitted"] == p["offloaded"] + p["failed"] + p["discarded"]
+    assert p["stored"] + p["store_failed"] + p["not_stored"] == p["offloaded"]
+    assert report["ledger"] == {"ok": True, "error": None, "checks": report["ledger"]["checks"]}
+    assert report["late_completions"]["misdelivered"] == 0
+    assert report["setup"]["backend"] == ("cpu" if "cpu" in BACKENDS else "sim")
+    assert set(report["latency_ms"]["transfer"]) == {"p50", "p90", "p99", "max"}
+    assert "ledger" in out and "OK" in out and f"{q['admitted']} admitted" in out
+    check_chrome_trace(json.loads((tmp_path / "t.json").read_text()))
+
+
+def test_reused_ids_get_late_completions_delivered_to_their_own_lifecycle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With every arrival reusing a finishing id and slow copies, some completions
+    arrive while their rid is shared, and each reaches the lifecycle that submitted it."""
+    argv = [*SMALL, "--backend", "sim", "--reuse", "1", "--copy-delay-ms", "20", "--requests", "60"]
+    argv += ["--arrival-rate", "1000"]
+    code, out, _ = run([*argv, "--json", str(tmp_path / "s.json")], capsys)
+    assert code == 0, out
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["requests"]["reused_ids"] > 0
+    assert report["late_completions"]["delivered_to_own_lifecycle"] > 0
+    assert report["late_completions"]["misdelivered"] == 0
+
+
+def test_a_failed_invariant_makes_the_run_exit_1(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """check_invariants raising is reported in the table and JSON, and exits 1."""
+
+    def broken(self: kvo.OffloadManager) -> None:
+        raise kvo.InvariantViolation("admitted != live + released")
+
+    monkeypatch.setattr(kvo.OffloadManager, "check_invariants", broken)
+    code, out, _ = run([*SMALL, "--json", str(tmp_path / "s.json")], capsys)
+    assert code == 1
+    assert "FAILED" in out and "admitted != live + released" in out
+    assert json.loads((tmp_path / "s.json").read_text())["ledger"]["ok"] is False
+
+
+def test_store_none_keeps_nothing_and_still_balances(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, _, _ = run([*SMALL, "--store", "none", "--json", str(tmp_path / "s.json")], capsys)
+    assert code == 0
+    pages = json.loads((tmp_path / "s.json").read_text())["pages"]
+    assert pages["stored"] == 0 and pages["not_stored"] == pages["offloaded"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "--requests", "0"], "positive integer"),
+        (["simulate", "--requests", "many"], "positive integer"),
+        (["simulate", "--reuse", "1.5"], "between 0 and 1"),
+        (["simulate", "--step-ms", "-1"], ">= 0"),
+        (["simulate", "--arrival-rate", "0"], "arrival_rate must be > 0"),
+        (["simulate", "--page-size", "16", "--stride", "24"], "multiple of page_size"),
+        (["simulate", "--backend", "quantum"], "not available"),
+        (["simulate", "--store", "ftp://nowhere"], "--store"),
+        (["simulate", "--json", "/nonexistent-dir/x.json"], "does not exist"),
+        (["simulate", "--on-host-full", "panic"], "invalid choice"),
+        (["graph", "--format", "gif"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_bad_options_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_the_installed_command_reports_bad_options_without_a_traceback() -> None:
+    """The real process (python -m kvoffload) exits 2 and prints the reason."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload", "simulate", "--fail", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "between 0 and 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_graph_prints_the_mermaid_diagram(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(["graph"], capsys)
+    assert code == 0 and out == graph.mermaid()
+    code, _, _ = run(["graph", "--format", "mermaid", "-o", str(tmp_path / "g.mmd")], capsys)
+    assert code == 0 and (tmp_path / "g.mmd").read_text() == graph.mermaid()
+
+
+def test_graph_svg_without_graphviz_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No dot program: exit 3 and a message naming the extra and the system package."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    code, _, err = run(["graph", "--format", "svg"], capsys)
+    assert code == 3
+    assert "graphviz" in err and "mermaid" in err and "Traceback" not in err
+
+
+def test_the_workload_plan_is_seeded() -> None:
+    """The same seed gives the same requests; another seed gives others."""
+    spec = WorkloadSpec(requests=50, seed=7)
+    assert plan(spec) == plan(WorkloadSpec(requests=50, seed=7))
+    assert plan(spec) != plan(WorkloadSpec(requests=50, seed=8))
+    shares = plan(WorkloadSpec(requests=2000, abort=0.25, reuse=0.5))
+    assert 0.2 < sum(p.abort_after is not None for p in shares) / 2000 < 0.3
+    assert 0.45 < sum(p.reuse for p in shares) / 2000 < 0.55
+
+
+@pytest.mark.asyncio
+async def test_the_monitor_counts_a_late_completion_on_the_readme_story() -> None:
+    """The old r1's completion arrives while a new r1 is live: one late completion,
+    delivered to the old lifecycle (the one that submitted it)."""
+    from kvoffload.testing import SimBackend
+
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=64, host_pages=64, drain_timeout_s=5)
+    backend = SimBackend()
+    monitor = RunMonitor()
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with kvo.OffloadManager(config, backend=backend) as mgr:
+        mgr.add_listener(monitor)
+        mgr.add_listener(lambda n, f: seen.append((n, dict(f))))
+        old = mgr.admit("r1", [0, 1, 2, 3])
+        old.extend([4, 5, 6, 7, 8])
+        old.finish()
+        new = mgr.admit("r1", [0, 1, 2, 3])
+        new.extend([4, 5, 6, 7, 8])
+        backend.complete(backend.pending[0])
+        await old.wait_released()
+        assert monitor.late_completions == 1 and monitor.misdelivered == 0
+        new.finish()
+        backend.complete_all()
+        await mgr.settle()
+    assert monitor.late_completions == 1  # the new one's completion: its rid was no longer shared
+    (done,) = [f for n, f in seen if n == "transfer.completed" and f["lifecycle"] == old.id]
+    assert done["rid"] == "r1"
+
+
+def test_slow_copies_are_reported_by_the_watchdog(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Copies slower than --stuck-after-ms show up as stuck reports (FAILURES F18), in
+    the summary and as instant events on the timeline; the run still balances."""
+    argv = [*SMALL, "--backend", "sim", "--copy-delay-ms", "40", "--stuck-after-ms", "5", "--requests", "20"]
+    code, out, _ = run(
+        [*argv, "--json", str(tmp_path / "s.json"), "--trace", str(tmp_path / "t.json")], capsys
+    )
+    assert code == 0, out
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["watchdog"]["stuck_reports"] > 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert any(e["name"] == "lifecycle.stuck" for e in trace["traceEvents"])

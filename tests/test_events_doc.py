@@ -1,0 +1,143 @@
+"""docs/events.md and the code agree: the same event names, each emitted by the code,
+and the documented fields exactly the fields a listener receives."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import structlog
+
+import kvoffload as kvo
+from kvoffload._events import EVENT_NAMES
+from kvoffload.abc import Storage
+from kvoffload.errors import StorageError
+from kvoffload.testing import SimBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "events.md"
+COMMON = {"lifecycle", "rid", "t"}
+
+
+def documented() -> dict[str, tuple[set[str], bool]]:
+    """event name -> (documented extra fields, log-only?) from the table in events.md."""
+    rows: dict[str, tuple[set[str], bool]] = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"^\| `([a-z_]+\.[a-z_]+)` \| (\w+) \| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = (set(re.findall(r"`(\w+)`", m.group(3))), "log only" in m.group(3))
+    return rows
+
+
+def test_the_doc_lists_exactly_the_declared_event_names() -> None:
+    """Every name in EVENT_NAMES is documented, and the doc lists no other."""
+    assert set(documented()) == set(EVENT_NAMES)
+
+
+def test_every_declared_event_is_emitted_somewhere_in_the_code() -> None:
+    """Each event name occurs as a string literal in a module other than _events.py."""
+    sources = "\n".join(p.read_text() for p in (ROOT / "kvoffload").rglob("*.py") if p.name != "_events.py")
+    missing = [name for name in EVENT_NAMES if f'"{name}"' not in sources]
+    assert not missing, f"declared but never emitted: {missing}"
+
+
+class _FailingStorage(Storage):
+    """Fails the first three writes (one chunk's every attempt), then works: a burst
+    of failures and its recovery."""
+
+    name = "failing"
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def put(self, keys: Any, pages: Any) -> None:
+        self.n += 1
+        if self.n <= 3:
+            raise StorageError("disk on fire")
+
+    async def get(self, keys: Any) -> list[bytes | None]:
+        return [None] * len(keys)
+
+    async def exists_prefix(self, keys: Any) -> int:
+        return 0
+
+
+async def _scenario(on_host_full: str) -> list[tuple[str, dict[str, Any]]]:
+    """Drive one manager through every listener event of its policy; return them."""
+    now = [0.0]
+    config = kvo.OffloadConfig(
+        page_size=4,
+        stride=4,
+        device_pages=64,
+        host_pages=2,
+        on_host_full=on_host_full,  # type: ignore[arg-type]
+        stuck_after_s=1.0,
+        host_wait_s=5.0,
+        watchdog_interval_s=1000,
+    )
+    backend = SimBackend()
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with kvo.OffloadManager(
+        config, backend=backend, storage=_FailingStorage(), clock=lambda: now[0]
+    ) as mgr:
+        mgr.add_listener(lambda name, fields: seen.append((name, dict(fields))))
+        a = mgr.admit("r1", list(range(4)))
+        a.extend(list(range(8)))  # one chunk of 2 pages: host pool now full
+        b = mgr.admit("r2", list(range(4)))
+        b.extend(list(range(4)))  # host full: dropped or deferred
+        now[0] = 2.0
+        mgr.tick()  # a is stuck in OFFLOADING
+        backend.complete(backend.pending[0])
+        await mgr.settle()
+        c = mgr.admit("r3", list(range(4)))
+        c.extend(list(range(4)))
+        c.abort()
+        backend.complete_all()
+        await mgr.settle()
+        d = mgr.admit("r4", list(range(4)))
+        d.extend(list(range(4)))
+        if backend.pending:
+            backend.fail(backend.pending[0])
+        await mgr.settle()
+        for lc in (a, b, d):
+            if not lc.released and lc.state is not kvo.LifecycleState.FINISHING:
+                lc.finish()
+        for _ in range(3):
+            backend.complete_all()
+            await mgr.settle()
+            mgr.tick()
+        await anyio.sleep(0)
+    return seen
+
+
+@pytest.mark.asyncio
+async def test_listener_events_carry_exactly_the_documented_fields() -> None:
+    """For every event a listener receives, its fields are lifecycle, rid, t and the
+    fields the doc lists; the two host-full policies together produce every listener
+    event the doc lists."""
+    doc = documented()
+    seen: set[str] = set()
+    for policy in ("drop", "wait"):
+        for name, fields in await _scenario(policy):
+            extra, log_only = doc[name]
+            assert not log_only, f"{name} is documented as log-only but reached a listener"
+            want = COMMON | extra
+            assert set(fields) == want, f"{name}: got {sorted(fields)}, doc says {sorted(want)}"
+            seen.add(name)
+    expected = {name for name, (_, log_only) in doc.items() if not log_only}
+    assert expected - seen == set(), "the scenario no longer produces these events"
+
+
+@pytest.mark.asyncio
+async def test_log_only_events_reach_structlog_with_their_documented_fields() -> None:
+    """manager.closed_live is logged with the documented field when a manager is left live."""
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=4)
+    with structlog.testing.capture_logs() as logs:
+        async with kvo.OffloadManager(config, backend="sim") as mgr:
+            mgr.admit("r1", [1, 2, 3])
+    entries = [e for e in logs if e["event"] == "manager.closed_live"]
+    assert entries and {"live"} <= set(entries[0])
+    assert documented()["manager.closed_live"][0] == {"live"}
