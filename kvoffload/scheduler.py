@@ -104,8 +104,11 @@ class DecodeScheduler:
             async with anyio.create_task_group() as tg:
                 while self._arrivals or self._queue or self._running:
                     now = time.monotonic() - start
-                    self._admit_arrivals(now)
+                    # As an engine's loop: the step's results first (extend, finish,
+                    # abort), then scheduling - so an arrival can reuse the id of a
+                    # request that has just finished and whose copies are still running.
                     self._decode_step(tg)
+                    self._admit_arrivals(now)
                     self._play_copy_engine()
                     self.result.steps += 1
                     if self.check_every and self.result.steps % self.check_every == 0:
