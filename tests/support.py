@@ -1,0 +1,54 @@
+"""Small helpers shared by the core tests: a virtual clock, loop spinning, tokens."""
+
+from __future__ import annotations
+
+import anyio
+
+import kvoffload as kvo
+from kvoffload.testing import SimBackend
+
+
+class FakeClock:
+    """A virtual clock for ``OffloadManager(..., clock=...)``: moves only when told."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def spin(rounds: int = 20) -> None:
+    """Let every other task on the loop run ``rounds`` times (no real time passes)."""
+    for _ in range(rounds):
+        await anyio.sleep(0)
+
+
+def toks(start: int, stop: int) -> list[int]:
+    """Token ids ``start..stop-1``."""
+    return list(range(start, stop))
+
+
+def page_bytes_of(pool_tensor: object, page: int) -> bytes:
+    """The raw bytes of one page of a pool tensor (as a storage tier would get them)."""
+    import torch
+
+    assert isinstance(pool_tensor, torch.Tensor)
+    return pool_tensor[page].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def unchanged(mgr: kvo.OffloadManager, before: kvo.Statistics) -> None:
+    """Assert the manager's statistics equal ``before`` and its ledger balances."""
+    assert mgr.statistics() == before
+    mgr.check_invariants()
+
+
+async def complete_everything(mgr: kvo.OffloadManager, backend: SimBackend) -> None:
+    """Complete every pending copy, wait for delivery, and check the ledger."""
+    backend.complete_all()
+    await mgr.settle()
+    mgr.check_invariants()
+    assert mgr.statistics().chunks_inflight == 0
