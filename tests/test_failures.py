@@ -15,17 +15,15 @@ from collections.abc import Sequence
 import anyio
 import pytest
 from structlog.testing import capture_logs
+from support import FakeClock, complete_everything, page_bytes_of, spin, toks, unchanged
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
+from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
-from support import FakeClock, complete_everything, page_bytes_of, spin, toks, unchanged
 
-P = kvo.LifecycleState.PENDING
-O = kvo.LifecycleState.OFFLOADING
-F = kvo.LifecycleState.FINISHING
-R = kvo.LifecycleState.RELEASED
+PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +53,19 @@ def sglang_chain(tokens: Sequence[int], page_size: int) -> list[str]:
     return keys
 
 
+def progress(lc: Lifecycle, t: Transfer) -> tuple[object, ...]:
+    """A lifecycle's offload progress and its chunk's keys: what no other lifecycle may change."""
+    return (
+        lc.committed,
+        lc.submitted,
+        lc.chain_key,
+        lc.inflight,
+        list(lc.device_pages),
+        list(t.keys),
+        lc.state,
+    )
+
+
 def allocated(pool: object, pages: Sequence[int]) -> list[bool]:
     return [pool.is_allocated(p) for p in pages]  # type: ignore[attr-defined]
 
@@ -72,10 +83,10 @@ async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(
     a.extend(toks(4, 8))
     mgr.check_invariants()
     (ta,) = backend.pending
-    assert a.state is O and a.inflight == 1
+    assert a.state is OFFLOADING and a.inflight == 1
     a.finish()
     mgr.check_invariants()
-    assert a.state is F
+    assert a.state is FINISHING
     a_pages = list(a.device_pages)
 
     b = mgr.admit("r1", prompt=toks(100, 104))
@@ -89,16 +100,16 @@ async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(
     assert tb.first_token == 4 and tb.n_tokens == 4
     assert tb.keys == kvo.chain_keys(None, toks(100, 108), 4)[1:]
     assert set(b.device_pages).isdisjoint(a_pages)
-    b_before = (b.committed, b.submitted, b.chain_key, b.inflight, list(b.device_pages), list(tb.keys), b.state)
-    assert b_before[:4] == (9, 8, tb.keys[-1], 1)
+    b_before = progress(b, tb)
+    assert b_before[:4] == (9, 8, tb.keys[-1], 1) and b_before[-1] is OFFLOADING
 
     backend.complete(ta)
     await a.wait_released()
     await mgr.settle()
     mgr.check_invariants()
-    assert a.state is R and a.outcome is kvo.Outcome.COMPLETED and a.device_pages == []
+    assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED and a.device_pages == []
     assert allocated(mgr.device_pool, a_pages) == [False] * len(a_pages)
-    b_after = (b.committed, b.submitted, b.chain_key, b.inflight, list(b.device_pages), list(tb.keys), b.state)
+    b_after = progress(b, tb)
     assert b_after == b_before
     assert backend.pending == [tb]
     assert mgr.lifecycles("r1") == [b]
@@ -121,7 +132,7 @@ async def test_f2_released_and_dropped_lifecycle_is_garbage(backend: SimBackend,
         lc = mgr.admit("gone", prompt=toks(0, 6))
         lc.finish()
         mgr.check_invariants()
-        assert lc.state is R
+        assert lc.state is RELEASED
         ref = weakref.ref(lc)
         del lc
         gc.collect()
@@ -136,14 +147,15 @@ async def test_f2_released_and_dropped_lifecycle_is_garbage(backend: SimBackend,
         del lc
         gc.collect()
         live = ref()
-        assert live is not None and live.state is F and live.inflight == 1
+        assert live is not None and live.state is FINISHING and live.inflight == 1
         del live
         # ...and still releases it when the copy completes; then it is garbage.
         backend.complete_all()
         await mgr.settle()
         mgr.check_invariants()
         s = mgr.statistics()
-        assert (s.live_lifecycles, s.released_completed, s.device_pages_used, s.host_pages_used) == (0, 2, 0, 0)
+        assert (s.live_lifecycles, s.released_completed) == (0, 2)
+        assert (s.device_pages_used, s.host_pages_used) == (0, 0)
         assert s.pages_stored == (1 if storage else 0)
         gc.collect()
         assert ref() is None
@@ -168,7 +180,7 @@ async def test_f3_device_pages_held_until_released(backend: SimBackend, outcome:
             backend.fail(t)
         await mgr.settle()
         mgr.check_invariants()
-        assert a.state is P and a.inflight == 0
+        assert a.state is PENDING and a.inflight == 0
         assert a.device_pages == pages
         assert allocated(mgr.device_pool, pages) == [True, True]
         # Every other page goes to b; nothing is left for c.
@@ -186,7 +198,7 @@ async def test_f3_device_pages_held_until_released(backend: SimBackend, outcome:
         b.finish()
         a.finish()
         mgr.check_invariants()
-        assert (a.state, b.state, mgr.statistics().device_pages_used) == (R, R, 0)
+        assert (a.state, b.state, mgr.statistics().device_pages_used) == (RELEASED, RELEASED, 0)
 
 
 # --- F4 ------------------------------------------------------------------------------
@@ -211,7 +223,7 @@ async def test_f4_release_waits_for_last_copy_which_reads_submit_time_bytes(back
         original = [page_bytes_of(dev, p) for p in t.device_pages]
         a.finish()
         mgr.check_invariants()
-        assert a.state is F
+        assert a.state is FINISHING
         a_pages = list(a.device_pages)
 
         # One page is free; a request that needs two cannot get a's pages.
@@ -228,7 +240,7 @@ async def test_f4_release_waits_for_last_copy_which_reads_submit_time_bytes(back
         await a.wait_released()
         await mgr.settle()
         mgr.check_invariants()
-        assert a.state is R and a.outcome is kvo.Outcome.COMPLETED
+        assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED
         assert sorted(storage.pages) == sorted(t.keys)
         assert [storage.pages[k] for k in t.keys] == original
         assert allocated(mgr.device_pool, a_pages) == [False] * 3
@@ -252,20 +264,20 @@ async def test_f5_only_the_last_completion_releases(
     assert len(transfers) == 2 and lc.inflight == 2
     lc.finish()
     mgr.check_invariants()
-    assert lc.state is F
+    assert lc.state is FINISHING
     pages = list(lc.device_pages)
 
     backend.complete(transfers[order[0]])
     await mgr.settle()
     mgr.check_invariants()
-    assert lc.state is F and lc.inflight == 1 and lc.outcome is None
+    assert lc.state is FINISHING and lc.inflight == 1 and lc.outcome is None
     assert lc.device_pages == pages and all(allocated(mgr.device_pool, pages))
 
     backend.complete(transfers[order[1]])
     await lc.wait_released()
     await mgr.settle()
     mgr.check_invariants()
-    assert lc.state is R and lc.inflight == 0 and lc.outcome is kvo.Outcome.COMPLETED
+    assert lc.state is RELEASED and lc.inflight == 0 and lc.outcome is kvo.Outcome.COMPLETED
     s = mgr.statistics()
     assert (s.chunks_copied, s.released_completed, s.device_pages_used) == (2, 1, 0)
 
@@ -295,17 +307,19 @@ async def test_f6_retraction_waits_at_the_barrier_for_inflight_copies(
         await mgr.settle()
         mgr.check_invariants()
         assert returned == []
-        assert lc.state is F and lc.aborted and lc.inflight == 1
+        assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
         assert all(allocated(mgr.device_pool, pages))
         backend.complete(t)
     mgr.check_invariants()
-    assert returned == [R]
+    assert returned == [RELEASED]
     assert lc.outcome is kvo.Outcome.ABORTED
     assert allocated(mgr.device_pool, pages) == [False, False]
     assert mgr.statistics().chunks_discarded == 1
 
 
-async def test_f6_wait_quiescent_returns_only_after_the_copy(mgr: kvo.OffloadManager, backend: SimBackend) -> None:
+async def test_f6_wait_quiescent_returns_only_after_the_copy(
+    mgr: kvo.OffloadManager, backend: SimBackend
+) -> None:
     """F6: the barrier itself: ``wait_quiescent()`` blocks while a copy reads the pages,
     returns once it completed, and frees nothing (the lifecycle is still live)."""
     lc = mgr.admit("r", prompt=toks(0, 4))
@@ -325,11 +339,11 @@ async def test_f6_wait_quiescent_returns_only_after_the_copy(mgr: kvo.OffloadMan
         mgr.check_invariants()
         backend.complete(t)
     mgr.check_invariants()
-    assert seen == [(0, P)]
+    assert seen == [(0, PENDING)]
     assert all(allocated(mgr.device_pool, lc.device_pages))
     lc.finish()
     mgr.check_invariants()
-    assert lc.state is R
+    assert lc.state is RELEASED
 
 
 # --- F7 ------------------------------------------------------------------------------
@@ -345,7 +359,7 @@ async def test_f7_abort_stops_new_copies_discards_inflight_frees_once(backend: S
         (t,) = backend.pending
         lc.abort()
         mgr.check_invariants()
-        assert lc.state is F and lc.aborted and lc.outcome is None
+        assert lc.state is FINISHING and lc.aborted and lc.outcome is None
         before = mgr.statistics()
         with pytest.raises(kvo.InvalidTransition):
             lc.extend(toks(8, 12))
@@ -360,7 +374,7 @@ async def test_f7_abort_stops_new_copies_discards_inflight_frees_once(backend: S
         await lc.wait_released()
         await mgr.settle()
         mgr.check_invariants()
-        assert lc.state is R and lc.outcome is kvo.Outcome.ABORTED
+        assert lc.state is RELEASED and lc.outcome is kvo.Outcome.ABORTED
         s = mgr.statistics()
         assert (s.chunks_discarded, s.pages_discarded, s.chunks_copied, s.pages_stored) == (1, 1, 0, 0)
         assert (s.device_pages_used, s.host_pages_used, s.live_lifecycles, s.released_aborted) == (0, 0, 0, 1)
@@ -387,7 +401,7 @@ async def test_f8_release_cannot_run_twice(mgr: kvo.OffloadManager, backend: Sim
     with pytest.raises(kvo.InvalidTransition):
         lc.finish()
     unchanged(mgr, before)
-    assert lc.state is F
+    assert lc.state is FINISHING
 
     backend.complete(t)
     await lc.wait_released()
@@ -415,7 +429,7 @@ async def test_f8_release_cannot_run_twice(mgr: kvo.OffloadManager, backend: Sim
     lc2.finish()
     mgr.check_invariants()
     before = mgr.statistics()
-    assert lc2.state is R and before.released_completed == 2 and before.device_pages_used == 0
+    assert lc2.state is RELEASED and before.released_completed == 2 and before.device_pages_used == 0
     with pytest.raises(kvo.InvalidTransition):
         lc2.finish()
     unchanged(mgr, before)
@@ -440,7 +454,7 @@ async def test_f9_host_full_counted_drop_rate_limited_log_and_retry(backend: Sim
             for b in bs:
                 b.extend(toks(4, 12))  # a stride is due: 2 pages, no room
                 mgr.check_invariants()
-                assert b.state is P and b.inflight == 0 and b.submitted == 4
+                assert b.state is PENDING and b.inflight == 0 and b.submitted == 4
         s = mgr.statistics()
         assert (s.chunks_dropped, s.pages_dropped, s.chunks_submitted) == (5, 10, 1)
         drops = [e for e in logs if e["event"] == "chunk.dropped"]
@@ -467,7 +481,7 @@ async def test_f9_host_full_counted_drop_rate_limited_log_and_retry(backend: Sim
         (tb,) = backend.pending
         assert tb.lifecycle is b and tb.first_token == 4 and tb.n_tokens == 24
         assert tb.keys == kvo.chain_keys(None, toks(0, 28), 4)[1:]
-        assert b.submitted == 28 == b.committed and b.state is O
+        assert b.submitted == 28 == b.committed and b.state is OFFLOADING
         await complete_everything(mgr, backend)
 
 
@@ -483,7 +497,7 @@ async def test_f9_wait_policy_defers_then_submits_or_expires_to_a_counted_drop(b
         b = mgr.admit("b", prompt=toks(0, 4))
         b.extend(toks(4, 12))
         mgr.check_invariants()
-        assert b.deferred and b.state is P and b.inflight == 0 and not b.quiescent
+        assert b.deferred and b.state is PENDING and b.inflight == 0 and not b.quiescent
         s = mgr.statistics()
         assert (s.chunks_deferred, s.chunks_dropped, s.chunks_submitted) == (1, 0, 1)
         clock.advance(50)
@@ -497,7 +511,7 @@ async def test_f9_wait_policy_defers_then_submits_or_expires_to_a_counted_drop(b
         await mgr.settle()
         mgr.check_invariants()
         (tb,) = backend.pending
-        assert tb.lifecycle is b and not b.deferred and b.state is O
+        assert tb.lifecycle is b and not b.deferred and b.state is OFFLOADING
         assert tb.keys == kvo.chain_keys(None, toks(0, 12), 4)[1:]
         assert b.submitted == 12 and b.committed == 16
 
@@ -511,11 +525,11 @@ async def test_f9_wait_policy_defers_then_submits_or_expires_to_a_counted_drop(b
         assert c.deferred
         c.finish()
         mgr.check_invariants()
-        assert c.state is F  # a waiting chunk keeps it busy
+        assert c.state is FINISHING  # a waiting chunk keeps it busy
         clock.advance(100.5)
         mgr.tick()
         mgr.check_invariants()
-        assert c.state is R and c.outcome is kvo.Outcome.COMPLETED
+        assert c.state is RELEASED and c.outcome is kvo.Outcome.COMPLETED
         s = mgr.statistics()
         assert (s.chunks_dropped, s.pages_dropped, s.chunks_deferred) == (1, 2, 2)
         await complete_everything(mgr, backend)
@@ -546,7 +560,7 @@ async def test_f10_state_changes_only_after_host_pages_are_acquired(backend: Sim
         b = mgr.admit("b", prompt=toks(0, 4))
         b.extend(toks(4, 8))
         mgr.check_invariants()
-        assert b.state is P and b.inflight == 0 and b.submitted == 4
+        assert b.state is PENDING and b.inflight == 0 and b.submitted == 4
         assert [t.lifecycle for t in backend.pending] == [a]
         s = mgr.statistics()
         assert (s.offloading, s.pending, s.chunks_inflight, s.chunks_dropped) == (1, 1, 1, 1)
@@ -568,20 +582,20 @@ async def test_f10_backend_submit_failure_returns_host_pages_and_changes_no_stat
         # The tokens are committed (their KV is in device pages); nothing else moved.
         assert after.device_pages_used == before.device_pages_used + 1
         assert after == kvo.Statistics(**{**before.as_dict(), "device_pages_used": after.device_pages_used})
-        assert lc.state is P and lc.inflight == 0 and (lc.committed, lc.submitted) == (8, 4)
+        assert lc.state is PENDING and lc.inflight == 0 and (lc.committed, lc.submitted) == (8, 4)
         assert backend.pending == [] and mgr.host_pool.used == 0
 
         before = mgr.statistics()
         with pytest.raises(kvo.BackendError):
             lc.finish()
         unchanged(mgr, before)
-        assert lc.state is P and lc.submitted == 4
+        assert lc.state is PENDING and lc.submitted == 4
 
         backend.refuse = False
         lc.finish()
         mgr.check_invariants()
         (t,) = backend.pending
-        assert lc.state is F and t.keys == kvo.chain_keys(None, toks(0, 8), 4)[1:]
+        assert lc.state is FINISHING and t.keys == kvo.chain_keys(None, toks(0, 8), 4)[1:]
         backend.complete(t)
         await lc.wait_released()
         mgr.check_invariants()
@@ -632,11 +646,11 @@ async def test_f12_page_aligned_remainder_is_flushed_at_finish(backend: SimBacke
         lc = mgr.admit("r", prompt=toks(0, 4))
         lc.extend(toks(4, 15))  # 11 new tokens: 2 whole pages + 3 tokens; no stride due
         mgr.check_invariants()
-        assert backend.pending == [] and lc.state is P
+        assert backend.pending == [] and lc.state is PENDING
         lc.finish()
         mgr.check_invariants()
         (t,) = backend.pending
-        assert lc.state is F
+        assert lc.state is FINISHING
         assert (t.first_token, t.n_tokens) == (4, 8)
         assert t.device_pages == lc.device_pages[1:3]
         assert t.keys == kvo.chain_keys(None, toks(0, 12), 4)[1:]
@@ -673,7 +687,7 @@ async def test_f16_leaving_the_manager_drains_inflight_copies(backend: SimBacken
         order.append("exited")
     assert order == ["body done", "completed in FINISHING", "exited"]
     mgr.check_invariants()
-    assert lc.state is R and mgr.statistics().device_pages_used == 0
+    assert lc.state is RELEASED and mgr.statistics().device_pages_used == 0
 
 
 async def test_f16_drain_timeout_raises_and_frees_nothing_under_the_copy(backend: SimBackend) -> None:
@@ -686,7 +700,7 @@ async def test_f16_drain_timeout_raises_and_frees_nothing_under_the_copy(backend
             lc.extend(toks(4, 8))
             (t,) = backend.pending
     mgr.check_invariants()
-    assert lc.state is O and lc.inflight == 1
+    assert lc.state is OFFLOADING and lc.inflight == 1
     assert all(allocated(mgr.device_pool, t.device_pages)) and all(allocated(mgr.host_pool, t.host_pages))
     s = mgr.statistics()
     assert (s.chunks_inflight, s.device_pages_used, s.host_pages_used) == (1, 2, 1)

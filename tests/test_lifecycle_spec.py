@@ -23,7 +23,7 @@ from kvoffload.lifecycle.table import (
     validate,
 )
 
-P, O, F, R = LifecycleState
+PENDING, OFFLOADING, FINISHING, RELEASED = LifecycleState
 #: Events a lifecycle can receive (``admit`` creates one; it is never a transition).
 EVENTS = [e for e in SPEC.events if e != SPEC.creation_event]
 
@@ -38,49 +38,53 @@ def test_the_declaration_validates() -> None:
     """The shipped SPEC passes every check, and TABLE is its compilation."""
     validate(SPEC)
     assert compile_table(SPEC) == TABLE
-    assert SPEC.initial is P and SPEC.terminal == {R} and SPEC.live == {P, O, F}
+    assert (
+        SPEC.initial is PENDING
+        and SPEC.terminal == {RELEASED}
+        and SPEC.live == {PENDING, OFFLOADING, FINISHING}
+    )
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         pytest.param(
-            variant(drop=lambda t: t.dest is F and t.source is not F),
+            variant(drop=lambda t: t.dest is FINISHING and t.source is not FINISHING),
             r"unreachable states: \['FINISHING'\]",
             id="unreachable-state",
         ),
         pytest.param(
-            variant(add=(TransitionSpec("extend", R, P),)),
+            variant(add=(TransitionSpec("extend", RELEASED, PENDING),)),
             "terminal state RELEASED has an outgoing transition",
             id="way-out-of-released",
         ),
         pytest.param(
-            variant(drop=lambda t: t.event == "abort" and t.source is O),
+            variant(drop=lambda t: t.event == "abort" and t.source is OFFLOADING),
             "abort is not legal in live state OFFLOADING",
             id="abort-missing-in-live-state",
         ),
         pytest.param(
-            variant(drop=lambda t: t.event == "abort" and t.source is P and t.guard == "busy"),
+            variant(drop=lambda t: t.event == "abort" and t.source is PENDING and t.guard == "busy"),
             "abort is not legal in live state PENDING under every condition",
             id="abort-missing-under-one-guard",
         ),
         pytest.param(
-            variant(add=(TransitionSpec("chunk_done", O, F, "busy"),)),
+            variant(add=(TransitionSpec("chunk_done", OFFLOADING, FINISHING, "busy"),)),
             "'chunk_done' in OFFLOADING is ambiguous",
             id="ambiguous-guard",
         ),
         pytest.param(
-            variant(add=(TransitionSpec("extend", P, O, "idle"),)),
+            variant(add=(TransitionSpec("extend", PENDING, OFFLOADING, "idle"),)),
             "'extend' in PENDING is ambiguous",
             id="guard-overlaps-unguarded",
         ),
         pytest.param(
-            variant(add=(TransitionSpec("chunk_done", O, P, "sometimes"),)),
+            variant(add=(TransitionSpec("chunk_done", OFFLOADING, PENDING, "sometimes"),)),
             "undeclared guard 'sometimes'",
             id="undeclared-guard",
         ),
         pytest.param(
-            variant(add=(TransitionSpec("evict", O, P),)),
+            variant(add=(TransitionSpec("evict", OFFLOADING, PENDING),)),
             "undeclared event 'evict'",
             id="undeclared-event",
         ),
@@ -120,8 +124,8 @@ def test_admit_is_never_a_transition() -> None:
 def test_table_agrees_with_oracle_on_every_state_event_condition() -> None:
     """Exhaustive: each reachable state (reached by replaying a path on the oracle),
     each event, each (copying, deferred) condition: the same destination or refusal."""
-    paths: dict[LifecycleState, list[tuple[str, bool, bool]]] = {P: []}
-    todo = deque([P])
+    paths: dict[LifecycleState, list[tuple[str, bool, bool]]] = {PENDING: []}
+    todo = deque([PENDING])
     while todo:
         state = todo.popleft()
         for event in EVENTS:
