@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 
 import kvoffload as kvo
+from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.testing import SimBackend
 
 
@@ -52,3 +53,14 @@ async def complete_everything(mgr: kvo.OffloadManager, backend: SimBackend) -> N
     await mgr.settle()
     mgr.check_invariants()
     assert mgr.statistics().chunks_inflight == 0
+
+
+#: Real seconds after which a wait that should already be satisfiable counts as hung.
+#: A guard that turns a hang into a failure, never a timing assertion.
+HANG_S = 10.0
+
+
+async def released(lc: Lifecycle) -> None:
+    """``await lc.wait_released()``, failing (instead of hanging) if it never comes."""
+    with anyio.fail_after(HANG_S):
+        await lc.wait_released()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import anyio
 import pytest
 from structlog.testing import capture_logs
-from support import FakeClock, complete_everything, page_bytes_of, spin, toks, unchanged
+from support import HANG_S, FakeClock, complete_everything, page_bytes_of, released, spin, toks, unchanged
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
@@ -104,7 +104,7 @@ async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(
     assert b_before[:4] == (9, 8, tb.keys[-1], 1) and b_before[-1] is OFFLOADING
 
     backend.complete(ta)
-    await a.wait_released()
+    await released(a)
     await mgr.settle()
     mgr.check_invariants()
     assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED and a.device_pages == []
@@ -237,7 +237,7 @@ async def test_f4_release_waits_for_last_copy_which_reads_submit_time_bytes(back
         dev[b.device_pages[0]].fill_(99)  # b's model writes its KV
 
         backend.complete(t)
-        await a.wait_released()
+        await released(a)
         await mgr.settle()
         mgr.check_invariants()
         assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED
@@ -274,7 +274,7 @@ async def test_f5_only_the_last_completion_releases(
     assert lc.device_pages == pages and all(allocated(mgr.device_pool, pages))
 
     backend.complete(transfers[order[1]])
-    await lc.wait_released()
+    await released(lc)
     await mgr.settle()
     mgr.check_invariants()
     assert lc.state is RELEASED and lc.inflight == 0 and lc.outcome is kvo.Outcome.COMPLETED
@@ -301,15 +301,16 @@ async def test_f6_retraction_waits_at_the_barrier_for_inflight_copies(
         await lc.retract()
         returned.append(lc.state)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(retract)
-        await spin()
-        await mgr.settle()
-        mgr.check_invariants()
-        assert returned == []
-        assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
-        assert all(allocated(mgr.device_pool, pages))
-        backend.complete(t)
+    with anyio.fail_after(HANG_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(retract)
+            await spin()
+            await mgr.settle()
+            mgr.check_invariants()
+            assert returned == []
+            assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
+            assert all(allocated(mgr.device_pool, pages))
+            backend.complete(t)
     mgr.check_invariants()
     assert returned == [RELEASED]
     assert lc.outcome is kvo.Outcome.ABORTED
@@ -332,12 +333,13 @@ async def test_f6_wait_quiescent_returns_only_after_the_copy(
         await lc.wait_quiescent()
         seen.append((lc.inflight, lc.state))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(barrier)
-        await spin()
-        assert seen == []
-        mgr.check_invariants()
-        backend.complete(t)
+    with anyio.fail_after(HANG_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(barrier)
+            await spin()
+            assert seen == []
+            mgr.check_invariants()
+            backend.complete(t)
     mgr.check_invariants()
     assert seen == [(0, PENDING)]
     assert all(allocated(mgr.device_pool, lc.device_pages))
@@ -371,7 +373,7 @@ async def test_f7_abort_stops_new_copies_discards_inflight_frees_once(backend: S
         unchanged(mgr, before)
 
         backend.complete(t)
-        await lc.wait_released()
+        await released(lc)
         await mgr.settle()
         mgr.check_invariants()
         assert lc.state is RELEASED and lc.outcome is kvo.Outcome.ABORTED
@@ -404,7 +406,7 @@ async def test_f8_release_cannot_run_twice(mgr: kvo.OffloadManager, backend: Sim
     assert lc.state is FINISHING
 
     backend.complete(t)
-    await lc.wait_released()
+    await released(lc)
     await mgr.settle()
     mgr.check_invariants()
     before = mgr.statistics()
@@ -597,7 +599,7 @@ async def test_f10_backend_submit_failure_returns_host_pages_and_changes_no_stat
         (t,) = backend.pending
         assert lc.state is FINISHING and t.keys == kvo.chain_keys(None, toks(0, 8), 4)[1:]
         backend.complete(t)
-        await lc.wait_released()
+        await released(lc)
         mgr.check_invariants()
 
 
@@ -656,7 +658,7 @@ async def test_f12_page_aligned_remainder_is_flushed_at_finish(backend: SimBacke
         assert t.keys == kvo.chain_keys(None, toks(0, 12), 4)[1:]
         assert (lc.submitted, lc.committed) == (12, 15)
         backend.complete(t)
-        await lc.wait_released()
+        await released(lc)
         await mgr.settle()
         mgr.check_invariants()
         assert sorted(storage.pages) == sorted(t.keys)
