@@ -665,6 +665,54 @@ async def test_f12_page_aligned_remainder_is_flushed_at_finish(backend: SimBacke
         assert mgr.statistics().pages_stored == 2
 
 
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+async def test_f12_remainder_larger_than_one_chunk_is_not_lost_silently(
+    backend: SimBackend, policy: str
+) -> None:
+    """F12 with F9: a remainder bigger than one chunk (the host pool is 2 pages, 3 whole
+    pages wait after drops or a deferral) is flushed chunk by chunk; a page that finds
+    the host full is a counted drop ("drop") or waits and goes out later ("wait"),
+    never silently skipped."""
+    clock = FakeClock()
+    config = cfg(host_pages=2, on_host_full=policy, host_wait_s=100, watchdog_interval_s=1000)
+    async with kvo.OffloadManager(config, backend=backend, clock=clock) as mgr:
+        a = mgr.admit("a", prompt=toks(0, 4))
+        a.extend(toks(4, 12))  # 2 pages: the whole host pool
+        (ta,) = backend.pending
+        b = mgr.admit("b", prompt=toks(0, 4))
+        for start in (4, 8, 12):
+            b.extend(toks(start, start + 4))
+            mgr.check_invariants()
+        assert (b.committed, b.submitted, b.state) == (16, 4, PENDING)
+        if policy == "wait":
+            b.finish()  # deferred: nothing can go out yet
+            mgr.check_invariants()
+            assert b.state is FINISHING and b.deferred
+        dropped = mgr.statistics().pages_dropped
+        backend.complete(ta)
+        await mgr.settle()
+        mgr.check_invariants()
+        if policy == "drop":
+            b.finish()
+            mgr.check_invariants()
+        (t1,) = backend.pending
+        assert (t1.lifecycle, t1.first_token, t1.n_tokens) == (b, 4, 8)
+        if policy == "drop":  # the third page found the host full: counted, not silent
+            assert mgr.statistics().pages_dropped == dropped + 1
+            assert b.submitted == 12
+        else:  # the third page waits for host pages and goes out after t1
+            assert mgr.statistics().pages_dropped == dropped == 0 and b.deferred
+            backend.complete(t1)
+            await mgr.settle()
+            mgr.check_invariants()
+            (t2,) = backend.pending
+            assert (t2.lifecycle, t2.first_token, t2.n_tokens) == (b, 12, 4)
+            assert t2.keys == kvo.chain_keys(None, toks(0, 16), 4)[3:]
+            assert b.submitted == 16
+        await complete_everything(mgr, backend)
+        assert b.state is RELEASED
+
+
 # --- F16 -----------------------------------------------------------------------------
 
 
