@@ -265,10 +265,18 @@ class OffloadManager:
 
     def _finish(self, lc: Lifecycle) -> None:
         self._check(lc, _FINISH)
-        if lc._deferred_since is None:
-            pending = lc.committed - lc.submitted
-            self._submit(lc, pending - pending % self.config.page_size)
+        self._flush(lc)
         self._fire(lc, _FINISH)
+
+    def _flush(self, lc: Lifecycle) -> None:
+        """The tail flush (F12): submit every whole page not yet submitted, one host-sized
+        chunk at a time, until none is left or one finds the host pool full (then the
+        policy counts a drop or defers the rest; F9). Never a silent skip."""
+        ps = self.config.page_size
+        while lc._deferred_since is None:
+            pending = lc.committed - lc.submitted
+            if pending < ps or not self._submit(lc, pending - pending % ps):
+                return
 
     def _abort(self, lc: Lifecycle) -> None:
         self._check(lc, _ABORT)
@@ -391,7 +399,10 @@ class OffloadManager:
                 break
             q.popleft()
             lc._deferred_since = None
-            self._submit(lc, n)
+            if final:
+                self._flush(lc)  # may defer the rest again: it rejoins the queue
+            else:
+                self._submit(lc, n)
 
     # --- completions ---------------------------------------------------------------------
 
