@@ -1,15 +1,11 @@
-"""Shared fixtures: a small config, a SimBackend, and an open manager on it.
-
-Tests that use ``mgr`` are marked ``pytest.mark.anyio``: anyio's plugin runs an async
-fixture's setup, the test and the teardown in one task, which the manager's task group
-needs (pytest-asyncio runs them in different tasks, so the group could not be left).
-"""
+"""Shared fixtures: a small config, a SimBackend, and an open manager on it."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
 import pytest
+import pytest_asyncio
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
@@ -25,12 +21,7 @@ def backend() -> SimBackend:
     return SimBackend()
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
+@pytest_asyncio.fixture
 async def mgr(config: kvo.OffloadConfig, backend: SimBackend) -> AsyncIterator[kvo.OffloadManager]:
     async with kvo.OffloadManager(config, backend=backend) as m:
         yield m

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
 import anyio
 
 import kvoffload as kvo
@@ -64,3 +68,21 @@ async def released(lc: Lifecycle) -> None:
     """``await lc.wait_released()``, failing (instead of hanging) if it never comes."""
     with anyio.fail_after(HANG_S):
         await lc.wait_released()
+
+
+def small_config(**changes: Any) -> kvo.OffloadConfig:
+    """4-token pages, a one-page stride, 64 device and host pages; ``changes`` override."""
+    fields: dict[str, Any] = dict(page_size=4, stride=4, device_pages=64, host_pages=64, drain_timeout_s=5)
+    fields.update(changes)
+    return kvo.OffloadConfig(**fields)
+
+
+@asynccontextmanager
+async def open_manager(
+    backend: SimBackend, config: kvo.OffloadConfig | None = None, **kwargs: Any
+) -> AsyncIterator[kvo.OffloadManager]:
+    """An open manager on ``backend`` for one test body (entered and left in the test's
+    own task). On a clean exit every copy is completed and the ledger checked first."""
+    async with kvo.OffloadManager(config or small_config(), backend=backend, **kwargs) as mgr:
+        yield mgr
+        await complete_everything(mgr, backend)

@@ -15,7 +15,18 @@ from collections.abc import Sequence
 import anyio
 import pytest
 from structlog.testing import capture_logs
-from support import HANG_S, FakeClock, complete_everything, page_bytes_of, released, spin, toks, unchanged
+from support import (
+    HANG_S,
+    FakeClock,
+    complete_everything,
+    open_manager,
+    page_bytes_of,
+    released,
+    small_config,
+    spin,
+    toks,
+    unchanged,
+)
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
@@ -25,13 +36,7 @@ from kvoffload.testing import SimBackend
 
 PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState
 
-pytestmark = pytest.mark.anyio
-
-
-def cfg(**kw: object) -> kvo.OffloadConfig:
-    base: dict[str, object] = dict(page_size=4, stride=4, device_pages=64, host_pages=64, drain_timeout_s=5)
-    base.update(kw)
-    return kvo.OffloadConfig(**base)  # type: ignore[arg-type]
+pytestmark = pytest.mark.asyncio
 
 
 def sglang_get_hash_str(token_ids: Sequence[int], prior_hash: str | None = None) -> str:
@@ -73,49 +78,48 @@ def allocated(pool: object, pages: Sequence[int]) -> list[bool]:
 # --- F1 ------------------------------------------------------------------------------
 
 
-async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(backend: SimBackend) -> None:
     """F1: "A reaches RELEASED and frees its own pages; B's progress, in-flight count
     and keys are untouched" when A's late completion arrives after B reused A's id."""
-    a = mgr.admit("r1", prompt=toks(0, 4))
-    mgr.check_invariants()
-    a.extend(toks(4, 8))
-    mgr.check_invariants()
-    (ta,) = backend.pending
-    assert a.state is OFFLOADING and a.inflight == 1
-    a.finish()
-    mgr.check_invariants()
-    assert a.state is FINISHING
-    a_pages = list(a.device_pages)
+    async with open_manager(backend) as mgr:
+        a = mgr.admit("r1", prompt=toks(0, 4))
+        mgr.check_invariants()
+        a.extend(toks(4, 8))
+        mgr.check_invariants()
+        (ta,) = backend.pending
+        assert a.state is OFFLOADING and a.inflight == 1
+        a.finish()
+        mgr.check_invariants()
+        assert a.state is FINISHING
+        a_pages = list(a.device_pages)
 
-    b = mgr.admit("r1", prompt=toks(100, 104))
-    mgr.check_invariants()
-    assert b is not a and b.id != a.id and b.rid == a.rid
-    b.extend(toks(104, 109))
-    mgr.check_invariants()
-    tb = backend.pending[1]
-    assert ta.lifecycle is a and tb.lifecycle is b
-    # B started from its own prompt: its first chunk is tokens 4..8 of its own stream.
-    assert tb.first_token == 4 and tb.n_tokens == 4
-    assert tb.keys == kvo.chain_keys(None, toks(100, 108), 4)[1:]
-    assert set(b.device_pages).isdisjoint(a_pages)
-    b_before = progress(b, tb)
-    assert b_before[:4] == (9, 8, tb.keys[-1], 1) and b_before[-1] is OFFLOADING
+        b = mgr.admit("r1", prompt=toks(100, 104))
+        mgr.check_invariants()
+        assert b is not a and b.id != a.id and b.rid == a.rid
+        b.extend(toks(104, 109))
+        mgr.check_invariants()
+        tb = backend.pending[1]
+        assert ta.lifecycle is a and tb.lifecycle is b
+        # B started from its own prompt: its first chunk is tokens 4..8 of its own stream.
+        assert tb.first_token == 4 and tb.n_tokens == 4
+        assert tb.keys == kvo.chain_keys(None, toks(100, 108), 4)[1:]
+        assert set(b.device_pages).isdisjoint(a_pages)
+        b_before = progress(b, tb)
+        assert b_before[:4] == (9, 8, tb.keys[-1], 1) and b_before[-1] is OFFLOADING
 
-    backend.complete(ta)
-    await released(a)
-    await mgr.settle()
-    mgr.check_invariants()
-    assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED and a.device_pages == []
-    assert allocated(mgr.device_pool, a_pages) == [False] * len(a_pages)
-    b_after = progress(b, tb)
-    assert b_after == b_before
-    assert backend.pending == [tb]
-    assert mgr.lifecycles("r1") == [b]
-    s = mgr.statistics()
-    assert (s.live_lifecycles, s.chunks_inflight, s.chunks_copied, s.released_completed) == (1, 1, 1, 1)
-    assert s.device_pages_used == len(b.device_pages) == 3
+        backend.complete(ta)
+        await released(a)
+        await mgr.settle()
+        mgr.check_invariants()
+        assert a.state is RELEASED and a.outcome is kvo.Outcome.COMPLETED and a.device_pages == []
+        assert allocated(mgr.device_pool, a_pages) == [False] * len(a_pages)
+        b_after = progress(b, tb)
+        assert b_after == b_before
+        assert backend.pending == [tb]
+        assert mgr.lifecycles("r1") == [b]
+        s = mgr.statistics()
+        assert (s.live_lifecycles, s.chunks_inflight, s.chunks_copied, s.released_completed) == (1, 1, 1, 1)
+        assert s.device_pages_used == len(b.device_pages) == 3
 
 
 # --- F2 ------------------------------------------------------------------------------
@@ -127,7 +131,7 @@ async def test_f2_released_and_dropped_lifecycle_is_garbage(backend: SimBackend,
     a live one with a chunk in flight is kept (and released) by the manager even
     when the caller dropped it. Nothing in kvoffload (registry, delivery task,
     storage writer) pins a released lifecycle."""
-    async with kvo.OffloadManager(cfg(), backend=backend, storage=storage) as mgr:
+    async with kvo.OffloadManager(small_config(), backend=backend, storage=storage) as mgr:
         # Released with nothing in flight, then dropped.
         lc = mgr.admit("gone", prompt=toks(0, 6))
         lc.finish()
@@ -168,7 +172,7 @@ async def test_f2_released_and_dropped_lifecycle_is_garbage(backend: SimBackend,
 async def test_f3_device_pages_held_until_released(backend: SimBackend, outcome: str) -> None:
     """F3: "device pages are held until RELEASED, whatever completes earlier": a chunk
     completing (or failing) mid-decode frees nothing, and no admit can get those pages."""
-    async with kvo.OffloadManager(cfg(device_pages=6), backend=backend) as mgr:
+    async with kvo.OffloadManager(small_config(device_pages=6), backend=backend) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 8))
         mgr.check_invariants()
@@ -210,7 +214,7 @@ async def test_f4_release_waits_for_last_copy_which_reads_submit_time_bytes(back
     and storage gets the finishing request's own KV."""
     storage = MemoryStorage()
     async with kvo.OffloadManager(
-        cfg(stride=8, device_pages=4, host_pages=8), backend=backend, storage=storage
+        small_config(stride=8, device_pages=4, host_pages=8), backend=backend, storage=storage
     ) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 12))  # 12 tokens: a stride of 8 is due, pages 1..2 go out
@@ -252,100 +256,97 @@ async def test_f4_release_waits_for_last_copy_which_reads_submit_time_bytes(back
 
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-async def test_f5_only_the_last_completion_releases(
-    mgr: kvo.OffloadManager, backend: SimBackend, order: tuple[int, int]
-) -> None:
+async def test_f5_only_the_last_completion_releases(backend: SimBackend, order: tuple[int, int]) -> None:
     """F5: "only the last completion releases", in either completion order."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    lc.extend(toks(4, 8))
-    lc.extend(toks(8, 12))
-    mgr.check_invariants()
-    transfers = list(backend.pending)
-    assert len(transfers) == 2 and lc.inflight == 2
-    lc.finish()
-    mgr.check_invariants()
-    assert lc.state is FINISHING
-    pages = list(lc.device_pages)
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))
+        lc.extend(toks(8, 12))
+        mgr.check_invariants()
+        transfers = list(backend.pending)
+        assert len(transfers) == 2 and lc.inflight == 2
+        lc.finish()
+        mgr.check_invariants()
+        assert lc.state is FINISHING
+        pages = list(lc.device_pages)
 
-    backend.complete(transfers[order[0]])
-    await mgr.settle()
-    mgr.check_invariants()
-    assert lc.state is FINISHING and lc.inflight == 1 and lc.outcome is None
-    assert lc.device_pages == pages and all(allocated(mgr.device_pool, pages))
+        backend.complete(transfers[order[0]])
+        await mgr.settle()
+        mgr.check_invariants()
+        assert lc.state is FINISHING and lc.inflight == 1 and lc.outcome is None
+        assert lc.device_pages == pages and all(allocated(mgr.device_pool, pages))
 
-    backend.complete(transfers[order[1]])
-    await released(lc)
-    await mgr.settle()
-    mgr.check_invariants()
-    assert lc.state is RELEASED and lc.inflight == 0 and lc.outcome is kvo.Outcome.COMPLETED
-    s = mgr.statistics()
-    assert (s.chunks_copied, s.released_completed, s.device_pages_used) == (2, 1, 0)
+        backend.complete(transfers[order[1]])
+        await released(lc)
+        await mgr.settle()
+        mgr.check_invariants()
+        assert lc.state is RELEASED and lc.inflight == 0 and lc.outcome is kvo.Outcome.COMPLETED
+        s = mgr.statistics()
+        assert (s.chunks_copied, s.released_completed, s.device_pages_used) == (2, 1, 0)
 
 
 # --- F6 ------------------------------------------------------------------------------
 
 
-async def test_f6_retraction_waits_at_the_barrier_for_inflight_copies(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_f6_retraction_waits_at_the_barrier_for_inflight_copies(backend: SimBackend) -> None:
     """F6: "there is one barrier every free path goes through; it waits for in-flight
     copies": ``retract()`` returns only after the copy completed, and the device pages
     are not freed before."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    lc.extend(toks(4, 8))
-    (t,) = backend.pending
-    pages = list(lc.device_pages)
-    returned: list[kvo.LifecycleState] = []
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))
+        (t,) = backend.pending
+        pages = list(lc.device_pages)
+        returned: list[kvo.LifecycleState] = []
 
-    async def retract() -> None:
-        await lc.retract()
-        returned.append(lc.state)
+        async def retract() -> None:
+            await lc.retract()
+            returned.append(lc.state)
 
-    with anyio.fail_after(HANG_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(retract)
-            await spin()
-            await mgr.settle()
-            mgr.check_invariants()
-            assert returned == []
-            assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
-            assert all(allocated(mgr.device_pool, pages))
-            backend.complete(t)
-    mgr.check_invariants()
-    assert returned == [RELEASED]
-    assert lc.outcome is kvo.Outcome.ABORTED
-    assert allocated(mgr.device_pool, pages) == [False, False]
-    assert mgr.statistics().chunks_discarded == 1
+        with anyio.fail_after(HANG_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(retract)
+                await spin()
+                await mgr.settle()
+                mgr.check_invariants()
+                assert returned == []
+                assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
+                assert all(allocated(mgr.device_pool, pages))
+                backend.complete(t)
+        mgr.check_invariants()
+        assert returned == [RELEASED]
+        assert lc.outcome is kvo.Outcome.ABORTED
+        assert allocated(mgr.device_pool, pages) == [False, False]
+        assert mgr.statistics().chunks_discarded == 1
 
 
-async def test_f6_wait_quiescent_returns_only_after_the_copy(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_f6_wait_quiescent_returns_only_after_the_copy(backend: SimBackend) -> None:
     """F6: the barrier itself: ``wait_quiescent()`` blocks while a copy reads the pages,
     returns once it completed, and frees nothing (the lifecycle is still live)."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    await lc.wait_quiescent()  # nothing in flight: returns at once
-    lc.extend(toks(4, 8))
-    (t,) = backend.pending
-    seen: list[tuple[int, kvo.LifecycleState]] = []
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        await lc.wait_quiescent()  # nothing in flight: returns at once
+        lc.extend(toks(4, 8))
+        (t,) = backend.pending
+        seen: list[tuple[int, kvo.LifecycleState]] = []
 
-    async def barrier() -> None:
-        await lc.wait_quiescent()
-        seen.append((lc.inflight, lc.state))
+        async def barrier() -> None:
+            await lc.wait_quiescent()
+            seen.append((lc.inflight, lc.state))
 
-    with anyio.fail_after(HANG_S):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(barrier)
-            await spin()
-            assert seen == []
-            mgr.check_invariants()
-            backend.complete(t)
-    mgr.check_invariants()
-    assert seen == [(0, PENDING)]
-    assert all(allocated(mgr.device_pool, lc.device_pages))
-    lc.finish()
-    mgr.check_invariants()
-    assert lc.state is RELEASED
+        with anyio.fail_after(HANG_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(barrier)
+                await spin()
+                assert seen == []
+                mgr.check_invariants()
+                backend.complete(t)
+        mgr.check_invariants()
+        assert seen == [(0, PENDING)]
+        assert all(allocated(mgr.device_pool, lc.device_pages))
+        lc.finish()
+        mgr.check_invariants()
+        assert lc.state is RELEASED
 
 
 # --- F7 ------------------------------------------------------------------------------
@@ -355,7 +356,7 @@ async def test_f7_abort_stops_new_copies_discards_inflight_frees_once(backend: S
     """F7: "abort stops new copies, discards in-flight chunks on completion, frees
     everything once": no chunk after abort, nothing stored, RELEASED/ABORTED."""
     storage = MemoryStorage()
-    async with kvo.OffloadManager(cfg(), backend=backend, storage=storage) as mgr:
+    async with kvo.OffloadManager(small_config(), backend=backend, storage=storage) as mgr:
         lc = mgr.admit("r", prompt=toks(0, 4))
         lc.extend(toks(4, 8))
         (t,) = backend.pending
@@ -390,51 +391,52 @@ async def test_f7_abort_stops_new_copies_discards_inflight_frees_once(backend: S
 # --- F8 ------------------------------------------------------------------------------
 
 
-async def test_f8_release_cannot_run_twice(mgr: kvo.OffloadManager, backend: SimBackend) -> None:
+async def test_f8_release_cannot_run_twice(backend: SimBackend) -> None:
     """F8: "release is a transition into a terminal state; a second one is impossible":
     a second finish, any event after RELEASED and a duplicate completion are refused
     and change nothing; no counter goes negative."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    lc.extend(toks(4, 8))
-    (t,) = backend.pending
-    lc.finish()
-    mgr.check_invariants()
-    before = mgr.statistics()
-    with pytest.raises(kvo.InvalidTransition):
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))
+        (t,) = backend.pending
         lc.finish()
-    unchanged(mgr, before)
-    assert lc.state is FINISHING
-
-    backend.complete(t)
-    await released(lc)
-    await mgr.settle()
-    mgr.check_invariants()
-    before = mgr.statistics()
-    assert before.released_completed == 1 and before.device_pages_used == 0
-    for event in (lc.finish, lc.abort, lambda: lc.extend([1])):
+        mgr.check_invariants()
+        before = mgr.statistics()
         with pytest.raises(kvo.InvalidTransition):
-            event()
+            lc.finish()
         unchanged(mgr, before)
-    # A duplicate completion of the same transfer is refused by the backend...
-    with pytest.raises(kvo.BackendError):
-        backend.complete(t)
-    with pytest.raises(kvo.BackendError):
-        backend.fail(t)
-    # ...and by the manager, were a backend to deliver it anyway.
-    with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-        mgr._deliver(t, None)
-    unchanged(mgr, before)
-    assert all(v >= 0 for v in mgr.statistics().as_dict().values())
+        assert lc.state is FINISHING
 
-    # The direct path: finish with nothing in flight releases at once, and only once.
-    lc2 = mgr.admit("r2", prompt=toks(0, 6))
-    lc2.finish()
-    mgr.check_invariants()
-    before = mgr.statistics()
-    assert lc2.state is RELEASED and before.released_completed == 2 and before.device_pages_used == 0
-    with pytest.raises(kvo.InvalidTransition):
+        backend.complete(t)
+        await released(lc)
+        await mgr.settle()
+        mgr.check_invariants()
+        before = mgr.statistics()
+        assert before.released_completed == 1 and before.device_pages_used == 0
+        for event in (lc.finish, lc.abort, lambda: lc.extend([1])):
+            with pytest.raises(kvo.InvalidTransition):
+                event()
+            unchanged(mgr, before)
+        # A duplicate completion of the same transfer is refused by the backend...
+        with pytest.raises(kvo.BackendError):
+            backend.complete(t)
+        with pytest.raises(kvo.BackendError):
+            backend.fail(t)
+        # ...and by the manager, were a backend to deliver it anyway.
+        with pytest.raises(kvo.KVOffloadError, match="completed twice"):
+            mgr._deliver(t, None)
+        unchanged(mgr, before)
+        assert all(v >= 0 for v in mgr.statistics().as_dict().values())
+
+        # The direct path: finish with nothing in flight releases at once, and only once.
+        lc2 = mgr.admit("r2", prompt=toks(0, 6))
         lc2.finish()
-    unchanged(mgr, before)
+        mgr.check_invariants()
+        before = mgr.statistics()
+        assert lc2.state is RELEASED and before.released_completed == 2 and before.device_pages_used == 0
+        with pytest.raises(kvo.InvalidTransition):
+            lc2.finish()
+        unchanged(mgr, before)
 
 
 # --- F9 ------------------------------------------------------------------------------
@@ -445,7 +447,7 @@ async def test_f9_host_full_counted_drop_rate_limited_log_and_retry(backend: Sim
     drops in a short time make one warning; the next stride after host pages return
     submits every pending page."""
     clock = FakeClock()
-    async with kvo.OffloadManager(cfg(stride=8, host_pages=8), backend=backend, clock=clock) as mgr:
+    async with kvo.OffloadManager(small_config(stride=8, host_pages=8), backend=backend, clock=clock) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 36))  # 32 tokens: 8 pages, the whole host pool
         mgr.check_invariants()
@@ -491,7 +493,9 @@ async def test_f9_wait_policy_defers_then_submits_or_expires_to_a_counted_drop(b
     """F9, ``on_host_full="wait"``: "a bounded wait, per config": a deferred chunk is
     submitted when host pages return; one that waits past host_wait_s is a counted drop."""
     clock = FakeClock()
-    config = cfg(stride=8, host_pages=4, on_host_full="wait", host_wait_s=100, watchdog_interval_s=1000)
+    config = small_config(
+        stride=8, host_pages=4, on_host_full="wait", host_wait_s=100, watchdog_interval_s=1000
+    )
     async with kvo.OffloadManager(config, backend=backend, clock=clock) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 20))
@@ -556,7 +560,7 @@ class RefusingBackend(SimBackend):
 async def test_f10_state_changes_only_after_host_pages_are_acquired(backend: SimBackend) -> None:
     """F10: "state changes only after the resource is acquired": with the host pool
     full, the lifecycle stays PENDING with nothing in flight."""
-    async with kvo.OffloadManager(cfg(host_pages=1), backend=backend) as mgr:
+    async with kvo.OffloadManager(small_config(host_pages=1), backend=backend) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 8))
         b = mgr.admit("b", prompt=toks(0, 4))
@@ -573,7 +577,7 @@ async def test_f10_backend_submit_failure_returns_host_pages_and_changes_no_stat
     """F10: a submission the backend refuses leaves the host pages returned and the
     state and chunk counters as they were; the chunk goes out once the backend accepts."""
     backend = RefusingBackend()
-    async with kvo.OffloadManager(cfg(), backend=backend) as mgr:
+    async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
         lc = mgr.admit("r", prompt=toks(0, 4))
         backend.refuse = True
         before = mgr.statistics()
@@ -612,7 +616,7 @@ async def test_f11_keys_fixed_at_submit_survive_out_of_order_completion(backend:
     SGLang's get_hash_str chain."""
     storage = MemoryStorage()
     tokens = [7, 2**32 - 1, 0, 256, *(1000 * i + 13 for i in range(20))]  # 24 tokens
-    async with kvo.OffloadManager(cfg(stride=8), backend=backend, storage=storage) as mgr:
+    async with kvo.OffloadManager(small_config(stride=8), backend=backend, storage=storage) as mgr:
         lc = mgr.admit("r", prompt=tokens[:8])  # two prompt pages seed the chain
         lc.extend(tokens[8:16])
         lc.extend(tokens[16:24])
@@ -644,7 +648,7 @@ async def test_f12_page_aligned_remainder_is_flushed_at_finish(backend: SimBacke
     """F12: "the page-aligned remainder is flushed at finish": fewer than a stride of
     new tokens but two whole pages are sent; the partial last page is not."""
     storage = MemoryStorage()
-    async with kvo.OffloadManager(cfg(stride=16), backend=backend, storage=storage) as mgr:
+    async with kvo.OffloadManager(small_config(stride=16), backend=backend, storage=storage) as mgr:
         lc = mgr.admit("r", prompt=toks(0, 4))
         lc.extend(toks(4, 15))  # 11 new tokens: 2 whole pages + 3 tokens; no stride due
         mgr.check_invariants()
@@ -674,7 +678,7 @@ async def test_f12_remainder_larger_than_one_chunk_is_not_lost_silently(
     the host full is a counted drop ("drop") or waits and goes out later ("wait"),
     never silently skipped."""
     clock = FakeClock()
-    config = cfg(host_pages=2, on_host_full=policy, host_wait_s=100, watchdog_interval_s=1000)
+    config = small_config(host_pages=2, on_host_full=policy, host_wait_s=100, watchdog_interval_s=1000)
     async with kvo.OffloadManager(config, backend=backend, clock=clock) as mgr:
         a = mgr.admit("a", prompt=toks(0, 4))
         a.extend(toks(4, 12))  # 2 pages: the whole host pool
@@ -721,7 +725,7 @@ async def test_f16_leaving_the_manager_drains_inflight_copies(backend: SimBacken
     another task after the body ended is awaited by ``__aexit__``."""
     order: list[str] = []
     async with anyio.create_task_group() as tg:
-        async with kvo.OffloadManager(cfg(), backend=backend) as mgr:
+        async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
             lc = mgr.admit("r", prompt=toks(0, 4))
             lc.extend(toks(4, 8))
             lc.finish()
@@ -743,7 +747,7 @@ async def test_f16_leaving_the_manager_drains_inflight_copies(backend: SimBacken
 async def test_f16_drain_timeout_raises_and_frees_nothing_under_the_copy(backend: SimBackend) -> None:
     """F16: a copy that never completes: leaving raises DrainTimeout after
     drain_timeout_s, and that copy's device and host pages were not freed."""
-    mgr = kvo.OffloadManager(cfg(drain_timeout_s=0.01), backend=backend)
+    mgr = kvo.OffloadManager(small_config(drain_timeout_s=0.01), backend=backend)
     with pytest.raises(kvo.DrainTimeout):
         async with mgr:
             lc = mgr.admit("r", prompt=toks(0, 4))

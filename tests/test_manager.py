@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
-from support import FakeClock, complete_everything, toks, unchanged
+from support import FakeClock, complete_everything, open_manager, toks, unchanged
 
 import kvoffload as kvo
 from kvoffload.lifecycle.core import Lifecycle
@@ -18,7 +18,7 @@ from kvoffload.testing import SimBackend
 
 PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState
 
-pytestmark = pytest.mark.anyio
+pytestmark = pytest.mark.asyncio
 
 
 def snapshot(lc: Lifecycle) -> tuple[Any, ...]:
@@ -64,7 +64,6 @@ async def _released(mgr: kvo.OffloadManager, backend: SimBackend) -> Lifecycle:
     ids=["extend-after-finish", "finish-twice", "extend-released", "finish-released", "abort-released"],
 )
 async def test_illegal_event_raises_invalid_transition_and_changes_nothing(
-    mgr: kvo.OffloadManager,
     backend: SimBackend,
     reach: Callable[[kvo.OffloadManager, SimBackend], Any],
     state: kvo.LifecycleState,
@@ -73,16 +72,21 @@ async def test_illegal_event_raises_invalid_transition_and_changes_nothing(
 ) -> None:
     """An event the table refuses raises InvalidTransition naming the lifecycle, its
     state and the event; the lifecycle, the pools and every counter are as they were."""
-    lc = await reach(mgr, backend)
-    mgr.check_invariants()
-    assert lc.state is state
-    before, before_lc, pending = mgr.statistics(), snapshot(lc), list(backend.pending)
-    with pytest.raises(kvo.InvalidTransition) as info:
-        fire(lc)
-    assert info.value.lifecycle is lc and info.value.state is state and info.value.event == event
-    assert f"#{lc.id}" in str(info.value) and state.name in str(info.value) and repr(event) in str(info.value)
-    unchanged(mgr, before)
-    assert snapshot(lc) == before_lc and backend.pending == pending
+    async with open_manager(backend) as mgr:
+        lc = await reach(mgr, backend)
+        mgr.check_invariants()
+        assert lc.state is state
+        before, before_lc, pending = mgr.statistics(), snapshot(lc), list(backend.pending)
+        with pytest.raises(kvo.InvalidTransition) as info:
+            fire(lc)
+        assert info.value.lifecycle is lc and info.value.state is state and info.value.event == event
+        assert (
+            f"#{lc.id}" in str(info.value)
+            and state.name in str(info.value)
+            and repr(event) in str(info.value)
+        )
+        unchanged(mgr, before)
+        assert snapshot(lc) == before_lc and backend.pending == pending
 
 
 # --- pools -----------------------------------------------------------------------------
@@ -138,20 +142,19 @@ BAD_TOKENS = [
 
 
 @pytest.mark.parametrize("bad", BAD_TOKENS)
-async def test_bad_tokens_raise_invalid_tokens_and_change_nothing(
-    mgr: kvo.OffloadManager, backend: SimBackend, bad: Any
-) -> None:
+async def test_bad_tokens_raise_invalid_tokens_and_change_nothing(backend: SimBackend, bad: Any) -> None:
     """Token ids that are not ints in [0, 2**32) are refused by admit() and extend()
     with InvalidTokens; nothing is allocated, committed or counted."""
-    lc = mgr.admit("ok", prompt=toks(0, 3))
-    before, before_lc = mgr.statistics(), snapshot(lc)
-    with pytest.raises(kvo.InvalidTokens):
-        mgr.admit("bad", prompt=bad)
-    unchanged(mgr, before)
-    with pytest.raises(kvo.InvalidTokens):
-        lc.extend(bad)
-    unchanged(mgr, before)
-    assert snapshot(lc) == before_lc and mgr.lifecycles() == [lc]
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("ok", prompt=toks(0, 3))
+        before, before_lc = mgr.statistics(), snapshot(lc)
+        with pytest.raises(kvo.InvalidTokens):
+            mgr.admit("bad", prompt=bad)
+        unchanged(mgr, before)
+        with pytest.raises(kvo.InvalidTokens):
+            lc.extend(bad)
+        unchanged(mgr, before)
+        assert snapshot(lc) == before_lc and mgr.lifecycles() == [lc]
 
 
 # --- the prompt --------------------------------------------------------------------------
@@ -176,80 +179,76 @@ async def test_offload_prompt_makes_the_aligned_prompt_the_first_chunk() -> None
         await complete_everything(mgr, backend)
 
 
-async def test_default_prompt_is_taken_as_stored_and_seeds_the_chain(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_default_prompt_is_taken_as_stored_and_seeds_the_chain(backend: SimBackend) -> None:
     """By default the prompt's aligned part is not sent; its last key seeds the chain."""
-    lc = mgr.admit("r", prompt=toks(0, 10))
-    mgr.check_invariants()
-    assert backend.pending == [] and lc.state is PENDING
-    assert (lc.submitted, lc.chain_key) == (8, kvo.chain_keys(None, toks(0, 8), 4)[-1])
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 10))
+        mgr.check_invariants()
+        assert backend.pending == [] and lc.state is PENDING
+        assert (lc.submitted, lc.chain_key) == (8, kvo.chain_keys(None, toks(0, 8), 4)[-1])
 
 
 # --- registry and observability ----------------------------------------------------------
 
 
-async def test_lifecycles_by_rid_returns_every_live_lifecycle_sharing_it(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_lifecycles_by_rid_returns_every_live_lifecycle_sharing_it(backend: SimBackend) -> None:
     """lifecycles(rid) lists every live lifecycle labelled rid, oldest first; a
     released one drops out; lifecycles() lists all live ones."""
-    a = mgr.admit("r", prompt=toks(0, 4))
-    other = mgr.admit("x", prompt=toks(0, 4))
-    b = mgr.admit("r", prompt=toks(0, 4))
-    mgr.check_invariants()
-    assert mgr.lifecycles("r") == [a, b]
-    assert mgr.lifecycles() == [a, other, b] and len(mgr) == 3 and list(mgr) == [a, other, b]
-    a.finish()
-    mgr.check_invariants()
-    assert mgr.lifecycles("r") == [b] and mgr.lifecycles("nobody") == []
+    async with open_manager(backend) as mgr:
+        a = mgr.admit("r", prompt=toks(0, 4))
+        other = mgr.admit("x", prompt=toks(0, 4))
+        b = mgr.admit("r", prompt=toks(0, 4))
+        mgr.check_invariants()
+        assert mgr.lifecycles("r") == [a, b]
+        assert mgr.lifecycles() == [a, other, b] and len(mgr) == 3 and list(mgr) == [a, other, b]
+        a.finish()
+        mgr.check_invariants()
+        assert mgr.lifecycles("r") == [b] and mgr.lifecycles("nobody") == []
 
 
-async def test_transitions_are_logged_with_lifecycle_rid_from_to_trigger(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_transitions_are_logged_with_lifecycle_rid_from_to_trigger(backend: SimBackend) -> None:
     """Every transition is one ``lifecycle.transition`` event with lifecycle, rid,
     from, to and trigger; listeners get the same fields."""
-    heard: list[tuple[str, dict[str, Any]]] = []
-    mgr.add_listener(lambda name, fields: heard.append((name, dict(fields))))
-    with capture_logs() as logs:
-        lc = mgr.admit("r7", prompt=toks(0, 4))
-        lc.extend(toks(4, 8))
-        lc.finish()
-        await complete_everything(mgr, backend)
-    keys = ("lifecycle", "rid", "from", "to", "trigger")
-    want = [
-        (lc.id, "r7", "PENDING", "PENDING", "extend"),
-        (lc.id, "r7", "PENDING", "OFFLOADING", "submit"),
-        (lc.id, "r7", "OFFLOADING", "FINISHING", "finish"),
-        (lc.id, "r7", "FINISHING", "RELEASED", "chunk_done"),
-    ]
-    logged = [e for e in logs if e["event"] == "lifecycle.transition"]
-    assert [tuple(e[k] for k in keys) for e in logged] == want
-    assert {e["log_level"] for e in logged} == {"debug"}
-    told = [f for name, f in heard if name == "lifecycle.transition"]
-    assert [tuple(f[k] for k in keys) for f in told] == want
+    async with open_manager(backend) as mgr:
+        heard: list[tuple[str, dict[str, Any]]] = []
+        mgr.add_listener(lambda name, fields: heard.append((name, dict(fields))))
+        with capture_logs() as logs:
+            lc = mgr.admit("r7", prompt=toks(0, 4))
+            lc.extend(toks(4, 8))
+            lc.finish()
+            await complete_everything(mgr, backend)
+        keys = ("lifecycle", "rid", "from", "to", "trigger")
+        want = [
+            (lc.id, "r7", "PENDING", "PENDING", "extend"),
+            (lc.id, "r7", "PENDING", "OFFLOADING", "submit"),
+            (lc.id, "r7", "OFFLOADING", "FINISHING", "finish"),
+            (lc.id, "r7", "FINISHING", "RELEASED", "chunk_done"),
+        ]
+        logged = [e for e in logs if e["event"] == "lifecycle.transition"]
+        assert [tuple(e[k] for k in keys) for e in logged] == want
+        assert {e["log_level"] for e in logged} == {"debug"}
+        told = [f for name, f in heard if name == "lifecycle.transition"]
+        assert [tuple(f[k] for k in keys) for f in told] == want
 
 
-async def test_statistics_is_a_frozen_snapshot_with_the_documented_fields(
-    mgr: kvo.OffloadManager, backend: SimBackend
-) -> None:
+async def test_statistics_is_a_frozen_snapshot_with_the_documented_fields(backend: SimBackend) -> None:
     """statistics() is a frozen dataclass snapshot with ARCHITECTURE.md's field names,
     and its values describe the manager at the time it was taken."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    lc.extend(toks(4, 9))
-    s = mgr.statistics()
-    assert dataclasses.is_dataclass(s) and isinstance(s, kvo.Statistics)
-    names = {f.name for f in dataclasses.fields(s)}
-    assert {"live_lifecycles", "device_pages_used", "host_pages_used", "chunks_inflight"} <= names
-    assert set(s.as_dict()) == names
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        s.live_lifecycles = 0  # type: ignore[misc]
-    assert (s.live_lifecycles, s.device_pages_used, s.host_pages_used, s.chunks_inflight) == (1, 3, 1, 1)
-    assert (s.pending, s.offloading, s.finishing, s.admitted, s.chunks_submitted) == (0, 1, 0, 1, 1)
-    await complete_everything(mgr, backend)
-    assert s.chunks_inflight == 1  # a snapshot: it does not follow the manager
-    assert mgr.statistics().chunks_inflight == 0 and mgr.statistics().chunks_copied == 1
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 9))
+        s = mgr.statistics()
+        assert dataclasses.is_dataclass(s) and isinstance(s, kvo.Statistics)
+        names = {f.name for f in dataclasses.fields(s)}
+        assert {"live_lifecycles", "device_pages_used", "host_pages_used", "chunks_inflight"} <= names
+        assert set(s.as_dict()) == names
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            s.live_lifecycles = 0  # type: ignore[misc]
+        assert (s.live_lifecycles, s.device_pages_used, s.host_pages_used, s.chunks_inflight) == (1, 3, 1, 1)
+        assert (s.pending, s.offloading, s.finishing, s.admitted, s.chunks_submitted) == (0, 1, 0, 1, 1)
+        await complete_everything(mgr, backend)
+        assert s.chunks_inflight == 1  # a snapshot: it does not follow the manager
+        assert mgr.statistics().chunks_inflight == 0 and mgr.statistics().chunks_copied == 1
 
 
 # --- the ledger check ----------------------------------------------------------------------
@@ -268,20 +267,21 @@ async def test_statistics_is_a_frozen_snapshot_with_the_documented_fields(
     ids=["chunks-inflight", "admitted", "negative", "lifecycle-inflight", "submitted", "leaked-host-page"],
 )
 async def test_check_invariants_detects_a_tampered_ledger(
-    mgr: kvo.OffloadManager, backend: SimBackend, tamper: Callable[[Any, Lifecycle], object], words: str
+    backend: SimBackend, tamper: Callable[[Any, Lifecycle], object], words: str
 ) -> None:
     """check_invariants() can fail: a tampered count raises InvariantViolation naming it."""
-    lc = mgr.admit("r", prompt=toks(0, 4))
-    lc.extend(toks(4, 8))
-    mgr.check_invariants()
-    saved_counters = dataclasses.replace(mgr.counters)
-    saved = (lc.inflight, lc.submitted, list(mgr.host_pool._free), bytearray(mgr.host_pool._allocated))
-    tamper(mgr, lc)
-    with pytest.raises(kvo.InvariantViolation, match=words):
+    async with open_manager(backend) as mgr:
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))
         mgr.check_invariants()
-    mgr.counters = saved_counters
-    lc.inflight, lc.submitted, mgr.host_pool._free, mgr.host_pool._allocated = saved
-    mgr.check_invariants()
+        saved_counters = dataclasses.replace(mgr.counters)
+        saved = (lc.inflight, lc.submitted, list(mgr.host_pool._free), bytearray(mgr.host_pool._allocated))
+        tamper(mgr, lc)
+        with pytest.raises(kvo.InvariantViolation, match=words):
+            mgr.check_invariants()
+        mgr.counters = saved_counters
+        lc.inflight, lc.submitted, mgr.host_pool._free, mgr.host_pool._allocated = saved
+        mgr.check_invariants()
 
 
 # --- the watchdog (F18) ----------------------------------------------------------------------
