@@ -216,3 +216,4 @@ async def write_loop(mgr: OffloadManager) -> None:
         t = writes[0]
         await write_chunk(mgr, storage, t, policy, burst)
         mgr._write_done(t)
+        del t  # hold no transfer (so no lifecycle) while waiting for the next (F2)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvoffload._events import STRUCTLOG, Listener, debug_enabled, logger
-from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import DrainTimeout, KVOffloadError
 from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
@@ -278,10 +278,18 @@ class OffloadManager:
 
     def _finish(self, lc: Lifecycle) -> None:
         self._check(lc, _FINISH)
-        if lc._deferred_since is None:
-            pending = lc.committed - lc.submitted
-            self._submit(lc, pending - pending % self.config.page_size)
+        self._flush(lc)
         self._fire(lc, _FINISH)
+
+    def _flush(self, lc: Lifecycle) -> None:
+        """The tail flush (F12): submit every whole page not yet submitted, one host-sized
+        chunk at a time, until none is left or one finds the host pool full (then the
+        policy counts a drop or defers the rest; F9). Never a silent skip."""
+        ps = self.config.page_size
+        while lc._deferred_since is None:
+            pending = lc.committed - lc.submitted
+            if pending < ps or not self._submit(lc, pending - pending % ps):
+                return
 
     def _abort(self, lc: Lifecycle) -> None:
         self._check(lc, _ABORT)
@@ -412,7 +420,10 @@ class OffloadManager:
                 break
             q.popleft()
             lc._deferred_since = None
-            self._submit(lc, n)
+            if final:
+                self._flush(lc)  # may defer the rest again: it rejoins the queue
+            else:
+                self._submit(lc, n)
 
     # --- completions ---------------------------------------------------------------------
 
@@ -499,13 +510,17 @@ class OffloadManager:
         self._notify_quiet(lc)
 
     async def _deliver_loop(self) -> None:
-        backend = self.backend
+        wait = self.backend.wait_completions
         while True:
-            batch = await backend.wait_completions()
-            for t, err in batch:
-                self._deliver(t, err)
-            self._delivered += len(batch)
-            self._wake_settle()
+            # The batch lives only in _deliver_batch's frame: while this task waits it
+            # holds no transfer, so it pins no released lifecycle (F2).
+            self._deliver_batch(await wait())
+
+    def _deliver_batch(self, batch: list[Completion]) -> None:
+        for t, err in batch:
+            self._deliver(t, err)
+        self._delivered += len(batch)
+        self._wake_settle()
 
     def _wake_settle(self) -> None:
         ev = self._settle_ev
