@@ -265,7 +265,8 @@ class OffloadManager:
         n = len(toks)
         committed = lc.committed + n
         ps = self.config.page_size
-        need = -(-committed // ps) - len(lc.device_pages)
+        held = len(lc.device_pages)
+        need = -(-committed // ps) - held
         if need > 0:
             lc.device_pages += self.device_pool.allocate(need)
             lc._cap = len(lc.device_pages) * ps
@@ -274,7 +275,16 @@ class OffloadManager:
         self._fire(lc, _EXTEND)
         if committed >= lc.due and lc._deferred_since is None:
             pending = committed - lc.submitted
-            self._submit(lc, pending - pending % self.config.stride)
+            try:
+                self._submit(lc, pending - pending % self.config.stride)
+            except BaseException:  # the backend refused: extend is all or nothing
+                del lc._tail[len(lc._tail) - n :]
+                lc.committed = committed - n
+                if need > 0:
+                    self.device_pool.free(lc.device_pages[held:])
+                    del lc.device_pages[held:]
+                    lc._cap = held * ps
+                raise
 
     def _finish(self, lc: Lifecycle) -> None:
         self._check(lc, _FINISH)
@@ -311,13 +321,14 @@ class OffloadManager:
         """
         cfg = self.config
         ps = cfg.page_size
+        wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
         n = min(n, cfg.host_pages * ps)
         if n <= 0:
             return False
         npages = n // ps
         host = self.host_pool.try_allocate(npages)
         if host is None:
-            self._host_full(lc, npages)
+            self._host_full(lc, wanted)
             return False
         first = lc.submitted // ps
         packed = pack_tokens(lc._tail[:n])

@@ -323,3 +323,61 @@ async def test_watchdog_reports_a_stuck_lifecycle_once_per_spell() -> None:
         mgr.check_invariants()
         assert mgr.statistics().stuck_reports == 2
         await complete_everything(mgr, backend)
+
+
+class _RefusingBackend(SimBackend):
+    """A backend whose submit refuses while ``refuse`` is set (a closed or broken device)."""
+
+    refuse = False
+
+    def submit(self, transfer: kvo.Transfer) -> None:
+        if self.refuse:
+            raise kvo.BackendError("copy engine refused the submission")
+        super().submit(transfer)
+
+
+async def test_extend_whose_chunk_submit_is_refused_changes_nothing() -> None:
+    """extend() is all or nothing: when the chunk it makes due is refused by the
+    backend, the BackendError comes out and no token, device page or count moves, so
+    the caller may retry the same tokens without committing them twice."""
+    backend = _RefusingBackend()
+    async with kvo.OffloadManager(kvo.OffloadConfig(4, 8, 16, 8), backend=backend) as mgr:
+        lc = mgr.admit("a", prompt=toks(0, 4))
+        lc.extend(toks(4, 10))  # 6 of 8: nothing due
+        before, before_lc = mgr.statistics(), snapshot(lc)
+        backend.refuse = True
+        with pytest.raises(kvo.BackendError, match="refused"):
+            lc.extend(toks(10, 14))  # a stride is due, needs a fourth device page
+        unchanged(mgr, before)
+        assert snapshot(lc) == before_lc and backend.pending == []
+        backend.refuse = False
+        lc.extend(toks(10, 14))  # the retry commits the tokens once
+        assert lc.committed == 14 and lc.inflight == 1
+        (t,) = backend.pending
+        assert (t.first_token, t.n_tokens) == (4, 8)
+        lc.finish()
+        await complete_everything(mgr, backend)
+        assert lc.state is RELEASED
+
+
+async def test_finish_with_host_full_counts_every_whole_page_it_loses() -> None:
+    """Under the drop policy a tail flush that finds the host pool full counts every
+    whole page it could not send as dropped, not only the first host-sized chunk."""
+    backend = SimBackend()
+    config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=32, host_pages=2)
+    async with kvo.OffloadManager(config, backend=backend) as mgr:
+        hog = mgr.admit("hog", prompt=toks(0, 4))
+        hog.extend(toks(4, 13))  # one chunk of 2 pages: the host pool is now full
+        assert mgr.statistics().host_pages_used == 2
+        lc = mgr.admit("a", prompt=toks(0, 4))
+        lc.extend(toks(4, 11))  # 7 tokens: 1 page due at a stride? no: 7 < 8
+        lc.extend(toks(11, 28))  # committed 28: 24 pending, due -> drop of 3 strides (6 pages)
+        s = mgr.statistics()
+        assert (s.chunks_dropped, s.pages_dropped) == (1, 6)
+        lc.finish()  # 24 tokens = 6 whole pages pending, host full: all 6 are lost
+        s = mgr.statistics()
+        assert (s.chunks_dropped, s.pages_dropped) == (2, 12)
+        assert lc.state is RELEASED and lc.outcome is kvo.Outcome.COMPLETED
+        await complete_everything(mgr, backend)
+        hog.finish()
+        await complete_everything(mgr, backend)

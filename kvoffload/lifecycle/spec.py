@@ -42,7 +42,9 @@ class Outcome(enum.Enum):
     """How a lifecycle ended; recorded when it reaches RELEASED."""
 
     COMPLETED = "completed"
-    """Finished, and every chunk was copied."""
+    """Finished, and no submitted chunk failed. Chunks never submitted because the host
+    pool was full (a policy drop, FAILURES F9) are counted in ``statistics()``
+    (``chunks_dropped``/``pages_dropped``), not in the outcome."""
     ABORTED = "aborted"
     """Aborted (retraction, preemption, cancellation); in-flight chunks were discarded."""
     FAILED = "failed"
