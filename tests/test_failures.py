@@ -575,25 +575,26 @@ async def test_f10_state_changes_only_after_host_pages_are_acquired(backend: Sim
 
 async def test_f10_backend_submit_failure_returns_host_pages_and_changes_no_state() -> None:
     """F10: a submission the backend refuses leaves the host pages returned and the
-    state and chunk counters as they were; the chunk goes out once the backend accepts."""
+    state, tokens, device pages and counters as they were (extend and finish are all or
+    nothing); the chunk goes out once the backend accepts."""
     backend = RefusingBackend()
-    async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
+    config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=16, host_pages=8)
+    async with kvo.OffloadManager(config, backend=backend) as mgr:
         lc = mgr.admit("r", prompt=toks(0, 4))
         backend.refuse = True
         before = mgr.statistics()
         with pytest.raises(kvo.BackendError):
-            lc.extend(toks(4, 8))
-        mgr.check_invariants()
-        after = mgr.statistics()
-        # The tokens are committed (their KV is in device pages); nothing else moved.
-        assert after.device_pages_used == before.device_pages_used + 1
-        assert after == kvo.Statistics(**{**before.as_dict(), "device_pages_used": after.device_pages_used})
-        assert lc.state is PENDING and lc.inflight == 0 and (lc.committed, lc.submitted) == (8, 4)
+            lc.extend(toks(4, 12))  # a stride is due; the backend refuses the chunk
+        unchanged(mgr, before)
+        assert lc.state is PENDING and lc.inflight == 0 and (lc.committed, lc.submitted) == (4, 4)
         assert backend.pending == [] and mgr.host_pool.used == 0
 
+        backend.refuse = False
+        lc.extend(toks(4, 8))  # one whole page, no stride due
+        backend.refuse = True
         before = mgr.statistics()
         with pytest.raises(kvo.BackendError):
-            lc.finish()
+            lc.finish()  # the tail flush is refused
         unchanged(mgr, before)
         assert lc.state is PENDING and lc.submitted == 4
 
