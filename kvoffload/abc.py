@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias
 
+from kvoffload.errors import BackendError
+
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
     from kvoffload.lifecycle.core import Lifecycle
@@ -84,16 +86,16 @@ class Transfer:
         pools of ``device_pages`` and ``host_pages`` pages on a backend with ``streams``
         streams: page lists of equal length, every page in range, no host page named twice.
         Backends call it in ``submit`` before starting anything."""
-        from kvoffload.errors import BackendError
-
         dev, host = self.device_pages, self.host_pages
         if len(dev) != len(host):
             raise BackendError(f"{self!r}: {len(dev)} device page(s) but {len(host)} host page(s)")
         if not 0 <= self.stream < streams:
             raise BackendError(f"{self!r}: stream {self.stream} out of range (the backend has {streams})")
-        if any(not 0 <= p < device_pages for p in dev):
+        if dev and (min(dev) < 0 or max(dev) >= device_pages):  # min/max: C loops, hot path
             raise BackendError(f"{self!r}: device page out of range [0, {device_pages}): {dev}")
-        if any(not 0 <= p < host_pages for p in host) or len(set(host)) != len(host):
+        if host and (
+            min(host) < 0 or max(host) >= host_pages or (len(host) > 1 and len(set(host)) != len(host))
+        ):
             raise BackendError(f"{self!r}: bad host pages for a pool of {host_pages}: {host}")
 
     @property
