@@ -220,6 +220,20 @@ class StreamWorker(threading.Thread, Generic[_Item]):
     def done_nowait(self, item: _Item) -> Completion | None:
         return None
 
+    #: Most queued items one ``finish_batch`` call may take (1: no batching).
+    batch_max = 1
+
+    def finish_batch(self, items: list[_Item]) -> list[Completion]:
+        """Finish ``items`` (the head and the items queued behind it), in order; one
+        completion each. The default finishes them one by one."""
+        out: list[Completion] = []
+        for item in items:
+            try:
+                out.append(self.finish(item))
+            except BaseException as e:  # a bug or an unexpected error: fail this transfer only
+                out.append((self.transfer_of(item), e))
+        return out
+
     def run(self) -> None:
         q, cv = self._queue, self._cv
         while True:
@@ -228,14 +242,13 @@ class StreamWorker(threading.Thread, Generic[_Item]):
                     cv.wait()
                 if not q:
                     return
-                head = q[0]
-            try:
-                first = self.finish(head)
-            except BaseException as e:  # a bug or an unexpected error: fail this transfer only
-                first = (self.transfer_of(head), e)
+                # The head and what queued behind it; they stay queued until posted.
+                items = [q[i] for i in range(min(len(q), self.batch_max))]
+            done = self.finish_batch(items)
             with cv:
-                q.popleft()
-                batch = [first, *self.take_done()]
+                for _ in items:
+                    q.popleft()
+                batch = [*done, *self.take_done()]
             self._inbox.post(batch)
 
     def take_done(self) -> list[Completion]:

@@ -57,6 +57,23 @@ class _CopyStream(StreamWorker[Transfer]):
     def transfer_of(self, item: Transfer) -> Transfer:
         return item
 
+    #: Transfers queued behind the head are copied with it: their runs of consecutive
+    #: pages merge across transfers into fewer, larger block copies.
+    batch_max = 64
+
+    def finish_batch(self, items: list[Transfer]) -> list[Completion]:
+        hooks = self._hooks
+        if len(items) == 1 or hooks.before is not None or hooks.after is not None:
+            return super().finish_batch(items)  # hooks are per transfer: one at a time
+        merged = Transfer.__new__(Transfer)
+        merged.device_pages = [p for t in items for p in t.device_pages]
+        merged.host_pages = [p for t in items for p in t.host_pages]  # distinct: held by each
+        try:
+            copy_pages(self._device, self._host, merged)
+        except Exception:  # find the transfer that fails: copy them one by one
+            return super().finish_batch(items)
+        return [(t, None) for t in items]
+
     def finish(self, item: Transfer) -> Completion:
         hooks = self._hooks
         if hooks.before is not None:

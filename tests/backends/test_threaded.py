@@ -137,7 +137,8 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A torch error inside one copy is that transfer's failure; the worker thread
-    lives on and copies the next transfer."""
+    lives on and copies the next transfer. (Transfers queued together are copied as one
+    merged copy; when that fails, each is copied alone to find the one that fails.)"""
     import kvoffload.backends.cpu as cpu_mod
     from kvoffload.abc import Transfer
 
@@ -145,7 +146,7 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     boom = RuntimeError("copy failed")
 
     def flaky(device: Any, host: Any, t: Transfer) -> None:
-        if t.device_pages == [1]:
+        if 1 in t.device_pages:  # any copy that reads device page 1 fails, merged or not
             raise boom
         real(device, host, t)
 
@@ -165,3 +166,41 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     assert [(t.device_pages, err) for t, err in got] == [([0], None), ([1], boom), ([2], None)]
     assert torch.equal(host.tensor[[0, 2]], dev.tensor[[0, 2]])
     await b.aclose()
+
+
+def test_cpu_stream_copies_queued_transfers_as_one_merged_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transfers queued together are copied by one merged copy (their runs of
+    consecutive pages join into one block); if that copy fails, each is copied alone so
+    only the transfer that fails is failed."""
+    import kvoffload.backends.cpu as cpu_mod
+    from kvoffload.abc import Transfer
+    from kvoffload.backends._threaded import CompletionInbox, CopyHooks
+
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
+    dev, host = CpuBackend().create_pools(config)
+    dev.tensor.normal_()
+    calls: list[list[int]] = []
+    real = cpu_mod.copy_pages
+    fail_page: list[int] = []
+
+    def spy(device: Any, host_pool: Any, t: Transfer) -> None:
+        calls.append(list(t.device_pages))
+        if set(fail_page) & set(t.device_pages):
+            raise RuntimeError("copy failed")
+        real(device, host_pool, t)
+
+    monkeypatch.setattr(cpu_mod, "copy_pages", spy)
+    stream = cpu_mod._CopyStream("test", CompletionInbox(), dev, host, CopyHooks())
+    ts = [Transfer(object(), [2 * i, 2 * i + 1], [2 * i, 2 * i + 1], [], 0, 8, 0.0) for i in range(3)]  # type: ignore[arg-type]
+    done = stream.finish_batch(ts)
+    assert [(t, err) for t, err in done] == [(t, None) for t in ts]
+    assert calls == [[0, 1, 2, 3, 4, 5]]  # one merged copy
+    assert torch.equal(host.tensor[:6], dev.tensor[:6])
+
+    calls.clear()
+    host.tensor.zero_()
+    fail_page.append(3)
+    done = stream.finish_batch(ts)
+    assert [err is None for _, err in done] == [True, False, True]
+    assert calls == [[0, 1, 2, 3, 4, 5], [0, 1], [2, 3], [4, 5]]  # merged, then one by one
+    assert torch.equal(host.tensor[[0, 1, 4, 5]], dev.tensor[[0, 1, 4, 5]])
