@@ -223,6 +223,10 @@ class StreamWorker(threading.Thread, Generic[_Item]):
     #: Most queued items one ``finish_batch`` call may take (1: no batching).
     batch_max = 1
 
+    def batch_room(self, items: list[_Item], item: _Item) -> bool:
+        """Whether ``item`` may join ``items`` in one ``finish_batch`` (under ``batch_max``)."""
+        return True
+
     def finish_batch(self, items: list[_Item]) -> list[Completion]:
         """Finish ``items`` (the head and the items queued behind it), in order; one
         completion each. The default finishes them one by one."""
@@ -243,7 +247,10 @@ class StreamWorker(threading.Thread, Generic[_Item]):
                 if not q:
                     return
                 # The head and what queued behind it; they stay queued until posted.
-                items = [q[i] for i in range(min(len(q), self.batch_max))]
+                items = [q[0]]
+                limit = min(len(q), self.batch_max)
+                while len(items) < limit and self.batch_room(items, q[len(items)]):
+                    items.append(q[len(items)])
             done = self.finish_batch(items)
             with cv:
                 for _ in items:

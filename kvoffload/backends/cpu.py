@@ -53,13 +53,20 @@ class _CopyStream(StreamWorker[Transfer]):
     ) -> None:
         super().__init__(name, inbox)
         self._device, self._host, self._hooks = device, host, hooks
+        self._page_nbytes = host.tensor[0].nbytes if host.n_pages else 1
 
     def transfer_of(self, item: Transfer) -> Transfer:
         return item
 
     #: Transfers queued behind the head are copied with it: their runs of consecutive
-    #: pages merge across transfers into fewer, larger block copies.
+    #: pages merge across transfers into fewer, larger block copies. At most 64
+    #: transfers and 16 MiB together, so the head's completion is not held back long.
     batch_max = 64
+    batch_bytes = 16 << 20
+
+    def batch_room(self, items: list[Transfer], item: Transfer) -> bool:
+        pages = sum(len(t.device_pages) for t in items) + len(item.device_pages)
+        return pages * self._page_nbytes <= self.batch_bytes
 
     def finish_batch(self, items: list[Transfer]) -> list[Completion]:
         hooks = self._hooks
