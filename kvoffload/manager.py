@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvoffload._events import Listener, debug_enabled, logger
-from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import DrainTimeout, KVOffloadError
 from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
@@ -486,11 +486,15 @@ class OffloadManager:
     async def _deliver_loop(self) -> None:
         backend = self.backend
         while True:
-            batch = await backend.wait_completions()
-            for t, err in batch:
-                self._deliver(t, err)
-            self._delivered += len(batch)
-            self._wake_settle()
+            # No local names the batch: while this task waits for the next one it must
+            # hold no transfer, hence no lifecycle (F2; found by the property suite).
+            self._deliver_batch(await backend.wait_completions())
+
+    def _deliver_batch(self, batch: list[Completion]) -> None:
+        for t, err in batch:
+            self._deliver(t, err)
+        self._delivered += len(batch)
+        self._wake_settle()
 
     def _wake_settle(self) -> None:
         ev = self._settle_ev
@@ -515,6 +519,7 @@ class OffloadManager:
             self._writes.popleft()
             self.counters.pages_in_write -= len(t.host_pages)
             self.host_pool.free(t.host_pages)
+            del t  # hold no transfer (nor its lifecycle) while waiting for the next (F2)
             self._wake_settle()
             if self._deferred:
                 self._pump_deferred()
