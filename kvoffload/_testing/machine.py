@@ -106,6 +106,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Call ``fn`` on the machine's event loop, then wait until every signalled
         completion was delivered. Raises if the manager's tasks crashed or hung."""
         assert self._runner is not None
+        self._raise_if_stopped()
 
         async def step() -> _T:
             result = fn()
@@ -113,6 +114,11 @@ class LifecycleMachine(RuleBasedStateMachine):
             return result
 
         return self._runner.run(step())
+
+    def _raise_if_stopped(self) -> None:
+        if self._host is not None and self._host.done():
+            exc = self._host.exception() if not self._host.cancelled() else None
+            raise AssertionError(f"the manager stopped: {exc!r}")
 
     async def _settle(self) -> None:
         assert self.mgr is not None and self._host is not None
@@ -122,8 +128,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             settle.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await settle
-            if self._host in done:
-                raise AssertionError(f"the manager stopped: {self._host.exception()!r}")
+            self._raise_if_stopped()
             raise AssertionError(f"settle() hung for {_HANG_S}s: {self.mgr!r}")
 
     def _newest(self, slot: int) -> Lifecycle | None:
@@ -356,6 +361,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if runner is None or mgr is None or backend is None:
             return
         try:
+            if self._host is None or self._host.done():
+                return  # the manager crashed: that step already failed
             self._drain_all()
             self.observer.check(backend.pending)
             self._check_empty()
