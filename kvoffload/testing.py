@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvoffload._testing.observer import CheckedSimBackend, Observer, reference_keys
     from kvoffload._testing.strategies import (
         Request,
+        Schedule,
         Step,
         completion_orders,
         request_streams,
@@ -42,6 +43,7 @@ __all__ = [
     "LifecycleMachine",
     "Observer",
     "Request",
+    "Schedule",
     "SimBackend",
     "Step",
     "TransitionRecord",
@@ -58,6 +60,7 @@ _LAZY: dict[str, str] = {
     "LifecycleMachine": "machine",
     "Observer": "observer",
     "Request": "strategies",
+    "Schedule": "strategies",
     "Step": "strategies",
     "TransitionRecord": "capture",
     "capture_transitions": "capture",
