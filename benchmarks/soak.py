@@ -29,6 +29,11 @@ import kvoffload as kvo
 from kvoffload.testing import SimBackend
 
 
+def _released(ref: weakref.ReferenceType[kvo.Lifecycle]) -> bool:
+    lc = ref()
+    return lc is not None and lc.released
+
+
 async def soak(requests: int, seed: int, concurrency: int) -> dict[str, Any]:
     rng = random.Random(seed)
     config = kvo.OffloadConfig(
@@ -37,7 +42,7 @@ async def soak(requests: int, seed: int, concurrency: int) -> dict[str, Any]:
     backend = SimBackend()
     checkpoints: list[tuple[int, int, int]] = []  # (requests admitted, traced bytes, live)
     sample: list[weakref.ReferenceType[kvo.Lifecycle]] = []
-    reused = aborted = refused = 0
+    reused = aborted = refused = sampled = sampled_alive = 0
     recent: list[str] = []
     every = max(requests // 10, 1)
     async with kvo.OffloadManager(config, backend=backend) as mgr:
@@ -69,6 +74,10 @@ async def soak(requests: int, seed: int, concurrency: int) -> dict[str, Any]:
                 if admitted % every == 0:
                     await mgr.settle()
                     gc.collect()
+                    # A released lifecycle the driver no longer holds must be garbage.
+                    sampled += len(sample)
+                    sampled_alive += sum(_released(r) for r in sample)
+                    sample.clear()  # (so the sample itself does not grow the heap)
                     checkpoints.append((admitted, tracemalloc.get_traced_memory()[0], len(mgr)))
             for key in list(live):
                 lc, target, abort = live[key]
@@ -90,7 +99,7 @@ async def soak(requests: int, seed: int, concurrency: int) -> dict[str, Any]:
                     lc.abort()
                     aborted += 1
                     del live[key]
-            del lc
+            lc = None  # the driver keeps no lifecycle it is done with
             pending = backend.pending
             for _ in range(rng.randrange(0, len(pending) + 1)):
                 t = pending[rng.randrange(len(pending))]
@@ -112,8 +121,8 @@ async def soak(requests: int, seed: int, concurrency: int) -> dict[str, Any]:
         "reused": reused,
         "aborted_by_driver": aborted,
         "admission_refused": refused,
-        "sampled_alive": sum(r() is not None for r in sample),
-        "sampled": len(sample),
+        "sampled_alive": sampled_alive + sum(r() is not None for r in sample),
+        "sampled": sampled + len(sample),
     }
 
 
@@ -125,11 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # An application configures logging: warnings only (kvoffload's debug events are
     # then never built), as a serving process would run.
+    wrapper = structlog.get_config()["wrapper_class"]
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     tracemalloc.start()
-    t0 = time.perf_counter()
-    out = asyncio.run(soak(args.requests, args.seed, args.concurrency))
-    elapsed = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        out = asyncio.run(soak(args.requests, args.seed, args.concurrency))
+        elapsed = time.perf_counter() - t0
+    finally:
+        tracemalloc.stop()
+        structlog.configure(wrapper_class=wrapper)
     s: kvo.Statistics = out["stats"]
     released = s.released_completed + s.released_aborted + s.released_failed
     checks = {
@@ -149,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     base = cps[1][1] if len(cps) > 1 else cps[0][1]
     growth = max(b for _, b, _ in cps[1:]) - base if len(cps) > 1 else 0
     checks["memory after GC flat (growth after warm-up < 512 KiB)"] = growth < 512 * 1024
-    print(f"soak: {args.requests} requests, seed {args.seed}, concurrency {args.concurrency}, {elapsed:.1f} s")
+    print(
+        f"soak: {args.requests} requests, seed {args.seed}, concurrency {args.concurrency}, {elapsed:.1f} s"
+    )
     print(
         f"  requests reusing a recent id: {out['reused']} ({out['reused'] / max(s.admitted, 1):.1%}); "
         f"aborted: {s.released_aborted} ({s.released_aborted / max(s.admitted, 1):.1%}); "

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.abc import Transfer
@@ -103,7 +104,7 @@ _FAILED = EVENT_INDEX["chunk_failed"]
 
 #: The CI budget of one mutant: the suite's own example count, no shrinking but for F1.
 CI = settings(
-    max_examples=300,
+    max_examples=500,
     stateful_step_count=30,
     derandomize=True,
     database=None,
@@ -142,7 +143,9 @@ def _schedules(error: BaseException) -> list[list[str]]:
 def test_suite_catches_the_catalogued_bug(mutant: type[OffloadManager]) -> None:
     """The suite fails on each mutant within the CI budget (generate phase only)."""
     error = _run(mutant, settings(CI, phases=[Phase.explicit, Phase.generate]))
-    assert isinstance(error, (AssertionError, BaseExceptionGroup)), repr(error)
+    # The suite failed: a check, or the manager's own error (PageError, InvalidTransition)
+    # surfacing from a step; not hypothesis giving up (health check, unsatisfiable).
+    assert not isinstance(error, HypothesisException), repr(error)
 
 
 def test_suite_catches_and_shrinks_routing_by_request_id(capsys: pytest.CaptureFixture[str]) -> None:

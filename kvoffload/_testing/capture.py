@@ -26,7 +26,9 @@ class TransitionRecord:
 
 
 def _record(fields: MutableMapping[str, Any]) -> TransitionRecord:
-    return TransitionRecord(fields["lifecycle"], fields["rid"], fields["trigger"], fields["from"], fields["to"])
+    return TransitionRecord(
+        fields["lifecycle"], fields["rid"], fields["trigger"], fields["from"], fields["to"]
+    )
 
 
 @contextmanager

@@ -77,7 +77,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The manager's config for this example (KV rows must stay int32 ``KV_SHAPE``)."""
         return OffloadConfig(kv_shape=KV_SHAPE, dtype="int32", host_wait_s=_HOST_WAIT_S, **sizes)
 
-    def make_manager(self, config: OffloadConfig, backend: CheckedSimBackend, storage: bool) -> OffloadManager:
+    def make_manager(
+        self, config: OffloadConfig, backend: CheckedSimBackend, storage: bool
+    ) -> OffloadManager:
         """Build the manager under test (``manager_class`` by default)."""
         return self.manager_class(
             config, backend=backend, storage="memory" if storage else None, clock=lambda: self.now
@@ -403,6 +405,9 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         try:
             runner.run(stop())
+            for task in self.waiters:  # a crashed run's waiters: their errors are known
+                if task.done() and not task.cancelled():
+                    task.exception()
         finally:
             runner.close()
             self._runner = None

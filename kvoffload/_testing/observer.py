@@ -181,7 +181,7 @@ class Observer:
 
     def _on_event(self, name: str, fields: dict[str, Any]) -> None:
         assert self.mgr is not None
-        lid = fields.get("lifecycle")
+        lid: Any = fields.get("lifecycle")
         if name == "lifecycle.admitted":
             lc = self.mgr._live[lid]
             self.lcs[lid] = _LcModel(lid, lc.rid, weakref.ref(lc))

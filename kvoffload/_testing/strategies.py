@@ -69,9 +69,9 @@ def request_streams(
         Request,
         rid=st.integers(0, rids - 1).map(lambda i: f"r{i}"),
         prompt=st.lists(tokens, max_size=max_prompt).map(tuple),
-        decode=st.lists(st.lists(tokens, min_size=1, max_size=max_step_tokens).map(tuple), max_size=max_steps).map(
-            tuple
-        ),
+        decode=st.lists(
+            st.lists(tokens, min_size=1, max_size=max_step_tokens).map(tuple), max_size=max_steps
+        ).map(tuple),
         aborted=st.booleans() if abort else st.just(False),
     )
     return st.lists(request, min_size=min_size, max_size=max_size)

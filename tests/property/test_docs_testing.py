@@ -35,5 +35,7 @@ def test_doc_function(name: str) -> None:
 )
 def test_doc_state_machine(name: str) -> None:
     """Each state machine test case of the page passes (the worked example)."""
-    result = unittest.TextTestRunner(verbosity=0).run(unittest.defaultTestLoader.loadTestsFromTestCase(NS[name]))
+    result = unittest.TextTestRunner(verbosity=0).run(
+        unittest.defaultTestLoader.loadTestsFromTestCase(NS[name])
+    )
     assert result.wasSuccessful(), result.failures + result.errors
