@@ -45,6 +45,18 @@ _slots = st.integers(0, 2)
 _tokens = st.integers(0, 3)
 
 
+def _report_coverage(seen: set[str]) -> None:
+    """Tell hypothesis which events a run reached (``--hypothesis-show-statistics``)."""
+    from hypothesis import event
+    from hypothesis.errors import InvalidArgument
+
+    try:
+        for name in sorted(seen):
+            event(name)
+    except InvalidArgument:  # replayed outside a hypothesis test (a pasted regression)
+        pass
+
+
 class LifecycleMachine(RuleBasedStateMachine):
     """Hypothesis rules for the world around an :class:`OffloadManager`.
 
@@ -164,6 +176,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         on_host_full=st.sampled_from(["drop", "wait"]),
         offload_prompt=st.booleans(),
         storage=st.booleans(),
+        first_prompt=st.lists(_tokens, max_size=12),
     )
     def open(
         self,
@@ -174,7 +187,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         on_host_full: str,
         offload_prompt: bool,
         storage: bool,
+        first_prompt: list[int] | None = None,
     ) -> None:
+        """Open a small manager; admit ``first_prompt`` on ``rids[0]`` (so that no example
+        is without a request) unless it is None."""
         config = self.make_config(
             page_size=page_size,
             stride=page_size * stride_pages,
@@ -189,6 +205,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.observer.attach(self.mgr)
         self._runner = asyncio.Runner()
         self._runner.run(self._start())
+        if first_prompt is not None:
+            self.admit(0, first_prompt)
 
     async def _start(self) -> None:
         assert self.mgr is not None
@@ -362,6 +380,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         runner, mgr, backend = self._runner, self.mgr, self.backend
         if runner is None or mgr is None or backend is None:
             return
+        _report_coverage(self.observer.seen)
         try:
             if self._host is None or self._host.done():
                 return  # the manager crashed: that step already failed

@@ -167,6 +167,8 @@ class Observer:
         # violations: what went wrong inside a manager call, reported at the next check.
         self.violations: list[str] = []
         self._oracle_factory: Callable[[], Any] | None = None
+        # seen: event names (and trigger: destination) that happened in this run.
+        self.seen: set[str] = set()
 
     # --- wiring ----------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class Observer:
 
     def _on_event(self, name: str, fields: dict[str, Any]) -> None:
         assert self.mgr is not None
+        self.seen.add(name if name != "lifecycle.transition" else f"{fields['trigger']}: {fields['to']}")
         lid: Any = fields.get("lifecycle")
         if name == "lifecycle.admitted":
             lc = self.mgr._live[lid]
