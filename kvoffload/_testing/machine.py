@@ -269,21 +269,23 @@ class LifecycleMachine(RuleBasedStateMachine):
                 picked.append(pending.pop(pos % len(pending)))
         return picked
 
-    @precondition(lambda self: self.backend is not None and self.backend.pending)
-    @rule(pos=st.integers(0, 7))
-    def complete(self, pos: int) -> None:
+    def _signal(self, pos: int, ok: bool) -> None:
         backend = self.backend
         assert backend is not None
         (t,) = self._pick([pos])
-        self.run(lambda: backend.complete(t))
+        self.run(lambda: backend.complete(t) if ok else backend.fail(t))
+
+    @precondition(lambda self: self.backend is not None and self.backend.pending)
+    @rule(pos=st.integers(0, 7))
+    def complete(self, pos: int) -> None:
+        """The copy of the in-flight transfer at ``pos`` completes."""
+        self._signal(pos, ok=True)
 
     @precondition(lambda self: self.backend is not None and self.backend.pending)
     @rule(pos=st.integers(0, 7))
     def fail(self, pos: int) -> None:
-        backend = self.backend
-        assert backend is not None
-        (t,) = self._pick([pos])
-        self.run(lambda: backend.fail(t))
+        """The copy of the in-flight transfer at ``pos`` fails."""
+        self._signal(pos, ok=False)
 
     @precondition(lambda self: self.backend is not None and len(self.backend.pending) >= 2)
     @rule(positions=st.lists(st.integers(0, 7), min_size=2, max_size=4), fail_first=st.booleans())
