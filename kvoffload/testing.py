@@ -9,6 +9,8 @@
 - :func:`request_streams`, :func:`completion_orders`, :func:`schedules`: hypothesis
   strategies for request streams with id reuse and for completion orders;
   :func:`run_schedule` plays one against a manager.
+- :class:`ManagerHost`: a manager held open on its own event loop between
+  synchronous steps (what the machine runs on).
 - :func:`capture_transitions`: the lifecycle transitions a block of code caused.
 - :func:`reference_keys`: an independent recomputation of the page key chain.
 
@@ -26,6 +28,7 @@ from kvoffload.backends.sim import SimBackend
 
 if TYPE_CHECKING:
     from kvoffload._testing.capture import TransitionRecord, capture_transitions
+    from kvoffload._testing.host import ManagerHost
     from kvoffload._testing.machine import LifecycleMachine
     from kvoffload._testing.observer import CheckedSimBackend, Observer, reference_keys
     from kvoffload._testing.strategies import (
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckedSimBackend",
     "LifecycleMachine",
+    "ManagerHost",
     "Observer",
     "Request",
     "Schedule",
@@ -58,6 +62,7 @@ __all__ = [
 _LAZY: dict[str, str] = {
     "CheckedSimBackend": "observer",
     "LifecycleMachine": "machine",
+    "ManagerHost": "host",
     "Observer": "observer",
     "Request": "strategies",
     "Schedule": "strategies",

@@ -4,7 +4,7 @@
 :class:`~kvoffload.testing.SimBackend` through admits, extends, finishes, aborts,
 completions and failures in any order, dropped references, a full host pool and the
 retraction barrier, and checks after every step what :class:`Observer` checks. It owns
-its event loop (one ``asyncio.Runner`` per example), so it needs no pytest plugin.
+its event loop (a :class:`ManagerHost` per example), so it needs no pytest plugin.
 
 Users subclass it: override the ``*_request`` hooks to go through their own scheduler,
 add rules, or set ``manager_class``. ``MyMachine.TestCase`` is a unittest case.
@@ -13,13 +13,13 @@ add rules, or set ``manager_class``. ``MyMachine.TestCase`` is a unittest case.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvoffload._testing.host import ManagerHost
 from kvoffload._testing.observer import KV_SHAPE, CheckedSimBackend, Observer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvalidTransition, PoolExhausted
@@ -79,9 +79,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         # held: the lifecycles the caller still references, per rid, oldest first.
         self.held: dict[str, list[Lifecycle]] = {rid: [] for rid in self.rids}
         self.waiters: list[asyncio.Task[None]] = []
-        self._runner: asyncio.Runner | None = None
-        self._host: asyncio.Task[None] | None = None
-        self._stop: asyncio.Event | None = None
+        self.host: ManagerHost | None = None
 
     # --- hooks a user overrides to go through their own scheduler ----------------------
 
@@ -119,31 +117,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def run(self, fn: Callable[[], _T]) -> _T:
         """Call ``fn`` on the machine's event loop, then wait until every signalled
         completion was delivered. Raises if the manager's tasks crashed or hung."""
-        assert self._runner is not None
-        self._raise_if_stopped()
-
-        async def step() -> _T:
-            result = fn()
-            await self._settle()
-            return result
-
-        return self._runner.run(step())
-
-    def _raise_if_stopped(self) -> None:
-        if self._host is not None and self._host.done():
-            exc = self._host.exception() if not self._host.cancelled() else None
-            raise AssertionError(f"the manager stopped: {exc!r}")
-
-    async def _settle(self) -> None:
-        assert self.mgr is not None and self._host is not None
-        settle = asyncio.ensure_future(self.mgr.settle())
-        done, _ = await asyncio.wait({settle, self._host}, timeout=_HANG_S, return_when="FIRST_COMPLETED")
-        if settle not in done:
-            settle.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await settle
-            self._raise_if_stopped()
-            raise AssertionError(f"settle() hung for {_HANG_S}s: {self.mgr!r}")
+        assert self.host is not None
+        return self.host.call(fn)
 
     def _newest(self, slot: int) -> Lifecycle | None:
         held = self.held[self.rids[slot % len(self.rids)]]
@@ -203,26 +178,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.backend = CheckedSimBackend(self.observer)
         self.mgr = self.make_manager(config, self.backend, storage)
         self.observer.attach(self.mgr)
-        self._runner = asyncio.Runner()
-        self._runner.run(self._start())
+        self.host = ManagerHost(self.mgr, hang_s=_HANG_S)
         if first_prompt is not None:
             self.admit(0, first_prompt)
-
-    async def _start(self) -> None:
-        assert self.mgr is not None
-        self._stop = asyncio.Event()
-        entered = asyncio.Event()
-        mgr, stop = self.mgr, self._stop
-
-        async def host() -> None:
-            async with mgr:
-                entered.set()
-                await stop.wait()
-
-        self._host = asyncio.create_task(host())
-        await asyncio.wait({self._host, asyncio.ensure_future(entered.wait())}, return_when="FIRST_COMPLETED")
-        if self._host.done():
-            self._host.result()
 
     @rule(slot=_slots, prompt=st.lists(_tokens, max_size=12))
     def admit(self, slot: int, prompt: list[int]) -> None:
@@ -377,20 +335,24 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.observer.check(self.backend.pending)
 
     def teardown(self) -> None:
-        """Finish or abort what is left, complete every copy, and check that nothing
+        """Finish what is left, complete every copy, and check that nothing
         leaked: every lifecycle RELEASED, both pools empty, the ledger balanced."""
-        runner, mgr, backend = self._runner, self.mgr, self.backend
-        if runner is None or mgr is None or backend is None:
+        host, mgr, backend = self.host, self.mgr, self.backend
+        if host is None or mgr is None or backend is None:
             return
         _report_coverage(self.observer.seen)
         try:
-            if self._host is None or self._host.done():
+            if host.stopped:
                 return  # the manager crashed: that step already failed
             self._drain_all()
             self.observer.check(backend.pending)
             self._check_empty()
         finally:
-            self._close(runner)
+            host.close()
+            for task in self.waiters:  # a crashed run's waiters: their errors are known
+                if task.done() and not task.cancelled():
+                    task.exception()
+            self.held.clear()
 
     def _drain_all(self) -> None:
         mgr, backend = self.mgr, self.backend
@@ -416,20 +378,3 @@ class LifecycleMachine(RuleBasedStateMachine):
         for held in self.held.values():
             for lc in held:
                 assert lc.outcome in (Outcome.COMPLETED, Outcome.ABORTED, Outcome.FAILED)
-
-    def _close(self, runner: asyncio.Runner) -> None:
-        async def stop() -> None:
-            assert self._stop is not None and self._host is not None
-            self._stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._host), _HANG_S)
-
-        try:
-            runner.run(stop())
-            for task in self.waiters:  # a crashed run's waiters: their errors are known
-                if task.done() and not task.cancelled():
-                    task.exception()
-        finally:
-            runner.close()
-            self._runner = None
-            self.held.clear()
