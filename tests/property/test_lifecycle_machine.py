@@ -14,7 +14,7 @@ from kvoffload.testing import LifecycleMachine
 
 #: Examples in the default (ci) profile. Measured on the mutants of tests/test_mutations.py
 #: over 20 random seeds each, the suite found every one of F1/F3/F5/F8/F11 in at most
-#: 190 examples (median 6-78); 500 leaves a wide margin, and CI is derandomized.
+#: 208 examples (medians 2-20); 500 leaves a wide margin, and CI is derandomized.
 CI_EXAMPLES = 500
 
 
