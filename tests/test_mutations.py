@@ -1,0 +1,159 @@
+"""Test the test: the real bugs of FAILURES.md, injected one at a time into a
+subclass of OffloadManager, must each make the stateful suite fail.
+
+Each mutant is the smallest faithful restatement of what went wrong in the serving
+systems (see the F-number); the suite runs it with the CI settings and must raise.
+For F1 the suite must also shrink the failure to a schedule of at most 8 steps.
+"""
+
+from __future__ import annotations
+
+import re
+from array import array
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import HypothesisException
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvoffload.abc import Transfer
+from kvoffload.keys import chain_keys_packed, pack_tokens
+from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.lifecycle.spec import LifecycleState
+from kvoffload.manager import OffloadManager
+from kvoffload.testing import LifecycleMachine
+
+_FINISHING = LifecycleState.FINISHING.value
+
+
+class RoutedByRequestId(OffloadManager):
+    """F1: a completion is applied to the newest live lifecycle with the transfer's
+    request id, not to the lifecycle that issued it."""
+
+    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+        same_rid = [lc for lc in self._live.values() if lc.rid == t.lifecycle.rid]
+        if same_rid:
+            t.lifecycle = same_rid[-1]
+        super()._deliver(t, error)
+
+
+class FreedMidDecode(OffloadManager):
+    """F3: a chunk's device pages go back to the pool when its copy completes, while
+    the request is still decoding."""
+
+    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+        super()._deliver(t, error)
+        if error is None and not t.lifecycle.released:
+            self.device_pool.free(t.device_pages)
+
+
+class FirstCompletionReleases(OffloadManager):
+    """F5: a finished request with two chunks in flight is released by the first."""
+
+    def _fire(self, lc: Lifecycle, e: int) -> None:
+        if lc._s == _FINISHING and lc.inflight > 0 and e in (_DONE, _FAILED):
+            lc.inflight = 0  # "this request is done": the other chunk is forgotten
+        super()._fire(lc, e)
+
+
+class ReleasedTwice(OffloadManager):
+    """F8: the completion path frees the device pages again after the finish path did."""
+
+    def _release(self, lc: Lifecycle) -> None:
+        self._last_released = (lc, list(lc.device_pages))
+        super()._release(lc)
+
+    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+        super()._deliver(t, error)
+        released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
+        if released is not None and released[0] is t.lifecycle:
+            self._last_released = None
+            self.device_pool.free(released[1])  # the second release
+
+
+class KeysAtCompletion(OffloadManager):
+    """F11: keys are computed when a chunk completes, chained from per-request state
+    updated by completions (so out-of-order completions chain from the wrong page)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tokens: dict[int, array[int]] = {}
+        self._last_key: dict[int, str | None] = {}
+
+    def _submit(self, lc: Lifecycle, n: int) -> bool:
+        tail = array(lc._tail.typecode, lc._tail)
+        self._last_key.setdefault(lc.id, lc.chain_key)
+        submitted = super()._submit(lc, n)
+        if submitted:
+            t = next(reversed(self._inflight.values()))
+            self._tokens[t.id] = tail[: t.n_tokens]
+        return submitted
+
+    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+        prev = self._last_key.get(t.lifecycle.id)
+        t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
+        self._last_key[t.lifecycle.id] = t.keys[-1]
+        super()._deliver(t, error)
+
+
+from kvoffload.lifecycle.table import EVENT_INDEX  # noqa: E402
+
+_DONE = EVENT_INDEX["chunk_done"]
+_FAILED = EVENT_INDEX["chunk_failed"]
+
+#: The CI budget of one mutant: the suite's own example count, no shrinking but for F1.
+CI = settings(
+    max_examples=500,
+    stateful_step_count=30,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _machine(manager: type[OffloadManager]) -> type[LifecycleMachine]:
+    return type(f"SuiteOn{manager.__name__}", (LifecycleMachine,), {"manager_class": manager})
+
+
+def _run(manager: type[OffloadManager], cfg: settings) -> BaseException:
+    """Run the suite on ``manager``; return what it raised."""
+    with pytest.raises(BaseException) as info:
+        run_state_machine_as_test(_machine(manager), settings=cfg)
+    return info.value
+
+
+def _schedules(error: BaseException) -> list[list[str]]:
+    """The schedules hypothesis printed for ``error`` (and each of a group's errors):
+    the ``state.<rule>(...)`` lines of its notes, without the after-step checks."""
+    errors = list(error.exceptions) if isinstance(error, BaseExceptionGroup) else [error]
+    out = []
+    for e in errors:
+        lines = "\n".join(getattr(e, "__notes__", [])).splitlines()
+        out.append([ln for ln in lines if re.match(r"state\.(?!outside_rules_hold\(|teardown\()", ln)])
+    return out
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [FreedMidDecode, FirstCompletionReleases, ReleasedTwice, KeysAtCompletion],
+    ids=lambda m: m.__name__,
+)
+def test_suite_catches_the_catalogued_bug(mutant: type[OffloadManager]) -> None:
+    """The suite fails on each mutant within the CI budget (generate phase only)."""
+    error = _run(mutant, settings(CI, phases=[Phase.explicit, Phase.generate]))
+    # The suite failed: a check, or the manager's own error (PageError, InvalidTransition)
+    # surfacing from a step; not hypothesis giving up (health check, unsatisfiable).
+    assert not isinstance(error, HypothesisException), repr(error)
+
+
+def test_suite_catches_and_shrinks_routing_by_request_id(capsys: pytest.CaptureFixture[str]) -> None:
+    """F1: the suite fails on a manager that routes completions by request id, and
+    shrinks the failure to a schedule of at most 8 steps, which it prints."""
+    error = _run(RoutedByRequestId, settings(CI, report_multiple_bugs=False))
+    schedules = _schedules(error)
+    with capsys.disabled():
+        print(f"\nF1 mutant: {error!r}\nshrunk schedule:\n" + "\n".join(schedules[0]))
+    assert schedules and all(schedules), f"no schedule printed for {error!r}"
+    assert all(len(s) <= 8 for s in schedules), schedules

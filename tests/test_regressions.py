@@ -1,0 +1,212 @@
+"""Failures the property suite found, pasted as plain deterministic tests.
+
+Each test's body is the shrunk schedule hypothesis printed (``state.<rule>(...)``
+and ``state.outside_rules_hold()``, the after-step check), pasted verbatim: it replays
+on :class:`~kvoffload.testing.LifecycleMachine` exactly as in the failing run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable
+
+import pytest
+from test_mutations import (
+    FirstCompletionReleases,
+    FreedMidDecode,
+    KeysAtCompletion,
+    ReleasedTwice,
+    RoutedByRequestId,
+    _machine,
+)
+
+import kvoffload as kvo
+from kvoffload.testing import LifecycleMachine, SimBackend
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("storage", [None, "memory"])
+async def test_delivery_task_does_not_pin_the_last_delivered_lifecycle(storage: str | None) -> None:
+    """Found by the suite (F2 check): the completion-delivery task kept its last batch
+    (and the loop variable) alive while it waited for the next one, so a released,
+    dropped lifecycle stayed referenced until some other copy completed. The storage
+    writer task had the same fault with its last written transfer."""
+    config = kvo.OffloadConfig(page_size=2, stride=2, device_pages=6, host_pages=1)
+    backend = SimBackend()
+    async with kvo.OffloadManager(config, backend=backend, storage=storage) as mgr:
+        lc = mgr.admit("r1", prompt=[])
+        lc.extend([0, 0])
+        lc.finish()
+        ref = weakref.ref(lc)
+        del lc
+        backend.complete(backend.pending[0])
+        await mgr.settle()
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref())
+
+
+def test_shrunk_released_lifecycle_pinned_by_delivery_task() -> None:
+    """The schedule the suite printed for the failure above."""
+    state = LifecycleMachine()
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=0,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=False,
+    )
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=1)
+    state.outside_rules_hold()
+    state.extend(slot=1, tokens=[0, 0])
+    state.outside_rules_hold()
+    state.abort(slot=1)
+    state.outside_rules_hold()
+    state.complete(pos=0)
+    state.outside_rules_hold()
+    state.drop(slot=1)
+    state.outside_rules_hold()
+    state.teardown()
+
+
+# --- the schedules the suite shrank for the catalogued bugs (tests/test_mutations.py) ---
+# Each passes on the real manager and fails on the mutant it was found on.
+
+
+def f1_routed_by_request_id(state: LifecycleMachine) -> None:
+    """F1: A offloads, B reuses A's id, A's completion arrives."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=0,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=False,
+        first_prompt=[],
+    )
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=0)
+    state.outside_rules_hold()
+    state.complete(pos=0)
+    state.outside_rules_hold()
+    state.teardown()
+
+
+def f3_freed_mid_decode(state: LifecycleMachine) -> None:
+    """F3: a chunk completes mid-decode (here: under the "wait" policy)."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=0,
+        on_host_full="wait",
+        offload_prompt=False,
+        storage=False,
+    )
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=0)
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.teardown()
+
+
+def f5_first_completion_releases(state: LifecycleMachine) -> None:
+    """F5: a finished request with two chunks in flight."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=1,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=False,
+    )
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=0)
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.teardown()
+
+
+def f8_released_twice(state: LifecycleMachine) -> None:
+    """F8: the finish path and the last completion both release."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=0,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=False,
+    )
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=0)
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.teardown()
+
+
+def f11_keys_at_completion(state: LifecycleMachine) -> None:
+    """F11: two chunks of one request complete out of order."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=1,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=False,
+    )
+    state.outside_rules_hold()
+    state.admit(prompt=[], slot=0)
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.exhaust_host_pool()
+    state.outside_rules_hold()
+    state.complete(pos=1)
+    state.outside_rules_hold()
+    state.teardown()
+
+
+SHRUNK: dict[str, tuple[Callable[[LifecycleMachine], None], type[kvo.OffloadManager]]] = {
+    "F1": (f1_routed_by_request_id, RoutedByRequestId),
+    "F3": (f3_freed_mid_decode, FreedMidDecode),
+    "F5": (f5_first_completion_releases, FirstCompletionReleases),
+    "F8": (f8_released_twice, ReleasedTwice),
+    "F11": (f11_keys_at_completion, KeysAtCompletion),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(SHRUNK))
+def test_shrunk_schedule_holds_on_the_real_manager(bug: str) -> None:
+    """The catalogued bug's shortest schedule: every check holds on OffloadManager."""
+    schedule, _ = SHRUNK[bug]
+    schedule(LifecycleMachine())
+
+
+@pytest.mark.parametrize("bug", sorted(SHRUNK))
+def test_shrunk_schedule_fails_on_its_mutant(bug: str) -> None:
+    """The same schedule fails on the mutant it was shrunk from: it is that bug's test."""
+    schedule, mutant = SHRUNK[bug]
+    state = _machine(mutant)()
+    with pytest.raises((AssertionError, kvo.KVOffloadError)):
+        try:
+            schedule(state)
+        finally:
+            with contextlib.suppress(BaseException):
+                state.teardown()
