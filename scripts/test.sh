@@ -8,6 +8,12 @@ bash scripts/setup.sh
 echo "== ruff"; ruff check kvoffload tests benchmarks examples
 echo "== ruff format"; ruff format --check kvoffload tests benchmarks examples
 echo "== mypy"; mypy
+echo "== graphviz"  # the svg/png test needs Graphviz's dot; best effort (skipped with the reason if absent)
+if ! command -v dot >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null 2>&1 ||
+    { apt-get update -qq >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null 2>&1; }) ||
+    echo "graphviz could not be installed: the svg/png test will skip" >&2
+fi
 echo "== redis"; eval "$(bash scripts/redis.sh start)"; trap 'bash scripts/redis.sh stop' EXIT
 export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
 echo "== pytest"; python -m pytest -q "$@"
