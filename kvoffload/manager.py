@@ -1,8 +1,9 @@
-"""OffloadManager: admit / extend / finish / abort, the registry, statistics.
+"""OffloadManager: the context, the registry, waiting, statistics - the public surface.
 
 Bookkeeping only: every method here is plain ``def`` and never awaits, except the
 ``wait_*``/``settle`` methods and the background tasks (completion delivery, storage
-writes, the watchdog), which the manager owns in one anyio task group.
+writes, the watchdog), which the manager owns in one anyio task group. The
+synchronous steps that events, chunks and completions take are in ``_flow.py``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvoffload._events import STRUCTLOG, Listener, debug_enabled, logger
+from kvoffload._flow import LifecycleFlow
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import DrainTimeout, KVOffloadError
 from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
-from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleId
-from kvoffload.lifecycle.spec import LifecycleState, Outcome
-from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE, validate
+from kvoffload.lifecycle.core import Lifecycle, LifecycleId
+from kvoffload.lifecycle.table import validate
 from kvoffload.stats import Counters, Statistics
 
 if TYPE_CHECKING:
@@ -34,20 +35,10 @@ if TYPE_CHECKING:
 
 __all__ = ["OffloadManager"]
 
-_EXTEND = EVENT_INDEX["extend"]
-_SUBMIT = EVENT_INDEX["submit"]
-_DONE = EVENT_INDEX["chunk_done"]
-_FAILED = EVENT_INDEX["chunk_failed"]
-_DROPPED = EVENT_INDEX["chunk_dropped"]
-_FINISH = EVENT_INDEX["finish"]
-_ABORT = EVENT_INDEX["abort"]
-_RELEASED = LifecycleState.RELEASED.value
-_DROP_LOG_INTERVAL_S = 5.0
-
 _spec_validated = False
 
 
-class OffloadManager:
+class OffloadManager(LifecycleFlow):
     """Offloads the KV of admitted requests, chunk by chunk, while they decode.
 
     ``async with OffloadManager(config, backend="auto", storage=None) as mgr:`` — the
@@ -227,299 +218,6 @@ class OffloadManager:
     def __len__(self) -> int:
         return len(self._live)
 
-    # --- events --------------------------------------------------------------------------
-
-    def _check(self, lc: Lifecycle, e: int) -> None:
-        if TABLE[lc._s][e][0] < 0:
-            self._illegal(lc, e)
-
-    def _illegal(self, lc: Lifecycle, e: int) -> None:
-        from kvoffload.errors import InvalidTransition
-
-        raise InvalidTransition(lc, STATES[lc._s], EVENT_NAMES[e])
-
-    def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
-        """Apply event ``e`` to ``lc`` after its effect on the counts: one table step."""
-        s = lc._s
-        dest = TABLE[s][e][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
-        if dest < 0:
-            self._illegal(lc, e)
-        if dest != s:
-            counts = self._state_counts
-            counts[s] -= 1
-            lc._s = dest
-            lc.state_since = self.clock() if now is None else now
-            if dest == _RELEASED:
-                if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                    self._emit_transition(lc, s, dest, e)
-                self._release(lc)
-                return
-            counts[dest] += 1
-        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-            self._emit_transition(lc, s, dest, e)
-
-    def _extend(self, lc: Lifecycle, tokens: Sequence[int]) -> None:
-        if TABLE[lc._s][_EXTEND][0] < 0:
-            self._illegal(lc, _EXTEND)
-        toks = validate_tokens(tokens)
-        n = len(toks)
-        committed = lc.committed + n
-        ps = self.config.page_size
-        held = len(lc.device_pages)
-        need = -(-committed // ps) - held
-        if need > 0:
-            lc.device_pages += self.device_pool.allocate(need)
-            lc._cap = len(lc.device_pages) * ps
-        lc.committed = committed
-        lc._tail += toks
-        self._fire(lc, _EXTEND)
-        if committed >= lc.due and lc._deferred_since is None:
-            pending = committed - lc.submitted
-            try:
-                self._submit(lc, pending - pending % self.config.stride)
-            except BaseException:  # the backend refused: extend is all or nothing
-                del lc._tail[len(lc._tail) - n :]
-                lc.committed = committed - n
-                if need > 0:
-                    self.device_pool.free(lc.device_pages[held:])
-                    del lc.device_pages[held:]
-                    lc._cap = held * ps
-                raise
-
-    def _finish(self, lc: Lifecycle) -> None:
-        self._check(lc, _FINISH)
-        self._flush(lc)
-        self._fire(lc, _FINISH)
-
-    def _flush(self, lc: Lifecycle) -> None:
-        """The tail flush (F12): submit every whole page not yet submitted, one host-sized
-        chunk at a time, until none is left or one finds the host pool full (then the
-        policy counts a drop or defers the rest; F9). Never a silent skip."""
-        ps = self.config.page_size
-        while lc._deferred_since is None:
-            pending = lc.committed - lc.submitted
-            if pending < ps or not self._submit(lc, pending - pending % ps):
-                return
-
-    def _abort(self, lc: Lifecycle) -> None:
-        self._check(lc, _ABORT)
-        lc._aborted = True
-        if lc._deferred_since is not None:
-            lc._deferred_since = None
-            self._deferred.remove(lc)
-            self._notify_quiet(lc)
-        self._fire(lc, _ABORT)
-
-    # --- chunks --------------------------------------------------------------------------
-
-    def _submit(self, lc: Lifecycle, n: int) -> bool:
-        """Submit the next ``n`` tokens (page-aligned) of ``lc`` as one chunk.
-
-        Order (F10): host pages first, then the backend submit, then the bookkeeping and
-        the state. A full host pool drops (or defers) the chunk with nothing changed but
-        the drop counters and ``lc.due``. Returns whether a chunk was submitted.
-        """
-        cfg = self.config
-        ps = cfg.page_size
-        wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
-        n = min(n, cfg.host_pages * ps)
-        if n <= 0:
-            return False
-        npages = n // ps
-        host = self.host_pool.try_allocate(npages)
-        if host is None:
-            self._host_full(lc, wanted)
-            return False
-        first = lc.submitted // ps
-        packed = pack_tokens(lc._tail[:n])
-        keys = chain_keys_packed(lc.chain_key, packed, ps)
-        now = self.clock()
-        stream = lc.id % self.backend.streams  # a lifecycle's chunks share one stream, in order
-        t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
-        try:
-            self.backend.submit(t)
-        except BaseException:
-            self.host_pool.free(host)
-            raise
-        del lc._tail[:n]
-        lc.submitted += n
-        lc.chain_key = keys[-1]
-        lc.due = lc.submitted + cfg.stride
-        lc.inflight += 1
-        self._inflight[t.id] = t
-        c = self.counters
-        c.chunks_submitted += 1
-        c.chunks_inflight += 1
-        c.pages_submitted += npages
-        c.pages_inflight += npages
-        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-            self._emit(
-                "transfer.submitted",
-                lc,
-                transfer=t.id,
-                pages=npages,
-                bytes=npages * self.page_bytes,
-                tokens=n,
-                first_token=t.first_token,
-                stream=t.stream,
-            )
-        self._fire(lc, _SUBMIT)
-        return True
-
-    def _host_full(self, lc: Lifecycle, npages: int) -> None:
-        c = self.counters
-        if self.config.on_host_full == "wait":
-            if lc._deferred_since is None:
-                lc._deferred_since = self.clock()
-                self._deferred.append(lc)
-                c.chunks_deferred += 1
-                if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                    self._emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
-            return
-        self._drop(lc, npages)
-
-    def _drop(self, lc: Lifecycle, npages: int) -> None:
-        c = self.counters
-        c.chunks_dropped += 1
-        c.pages_dropped += npages
-        lc.due = lc.committed + self.config.stride  # retry one stride later (F9)
-        self._drops_since_log += 1
-        now = self.clock()
-        if now - self._last_drop_log >= _DROP_LOG_INTERVAL_S:
-            logger.warning(
-                "chunk.dropped",
-                rid=lc.rid,
-                lifecycle=lc.id,
-                pages=npages,
-                drops_since_last_log=self._drops_since_log,
-                host_pages_free=self.host_pool.free_pages,
-            )
-            self._last_drop_log = now
-            self._drops_since_log = 0
-        if self._listeners:
-            self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
-
-    def _pump_deferred(self) -> None:
-        """Submit deferred chunks, oldest first, while host pages last; drop the expired."""
-        q = self._deferred
-        cfg = self.config
-        now = self.clock()
-        while q:
-            lc = q[0]
-            since = lc._deferred_since
-            if since is None or lc._s == _RELEASED:
-                q.popleft()
-                continue
-            pending = lc.committed - lc.submitted
-            final = lc._s == 2
-            n = pending - pending % (cfg.page_size if final else cfg.stride)
-            n = min(n, cfg.host_pages * cfg.page_size)
-            if now - since > cfg.host_wait_s:
-                q.popleft()
-                lc._deferred_since = None
-                self._drop(lc, n // cfg.page_size)
-                self._notify_quiet(lc)
-                self._fire(lc, _DROPPED)
-                continue
-            if n <= 0 or self.host_pool.free_pages < n // cfg.page_size:
-                if n <= 0:  # nothing left to send (cannot happen today; be safe)
-                    q.popleft()
-                    lc._deferred_since = None
-                    self._notify_quiet(lc)
-                    self._fire(lc, _DROPPED)
-                    continue
-                break
-            q.popleft()
-            lc._deferred_since = None
-            if final:
-                self._flush(lc)  # may defer the rest again: it rejoins the queue
-            else:
-                self._submit(lc, n)
-
-    # --- completions ---------------------------------------------------------------------
-
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
-        """Apply one completion to the lifecycle that issued it (the transfer holds it)."""
-        if self._inflight.pop(t.id, None) is None:
-            raise KVOffloadError(f"{t!r} completed twice or was never submitted")
-        lc = t.lifecycle
-        t.completed_at = now = self.clock()
-        t.error = error
-        host = t.host_pages
-        npages = len(host)
-        c = self.counters
-        c.chunks_inflight -= 1
-        c.pages_inflight -= npages
-        lc.inflight -= 1
-        free_host = True
-        if error is not None:
-            lc._failed = True
-            c.chunks_failed += 1
-            c.pages_failed += npages
-            e = _FAILED
-            logger.warning("transfer.failed", rid=lc.rid, lifecycle=lc.id, transfer=t.id, error=repr(error))
-            if self._listeners:
-                self._emit_delivery("transfer.failed", t, now, error=repr(error))
-        elif lc._aborted:
-            c.chunks_discarded += 1
-            c.pages_discarded += npages
-            e = _DONE
-            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit_delivery("transfer.discarded", t, now)
-        else:
-            c.chunks_copied += 1
-            c.pages_copied += npages
-            e = _DONE
-            if self.storage is not None:
-                free_host = False
-                c.pages_in_write += npages
-                self._writes.append(t)
-                if self._write_ev is not None:
-                    self._write_ev.set()
-            else:
-                c.pages_not_stored += npages
-            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit_delivery("transfer.completed", t, now)
-        if free_host:
-            self.host_pool.free(host)
-        self._fire(lc, e, now)
-        if lc._quiet_ev is not None:
-            self._notify_quiet(lc)
-        if free_host and self._deferred:
-            self._pump_deferred()
-
-    def _notify_quiet(self, lc: Lifecycle) -> None:
-        ev = lc._quiet_ev
-        if ev is not None and lc.quiescent:
-            lc._quiet_ev = None
-            ev.set()
-
-    def _release(self, lc: Lifecycle) -> None:
-        """RELEASED: the one place device pages are returned (F2-F8). Runs once per
-        lifecycle because RELEASED is terminal in the table."""
-        assert lc.inflight == 0 and lc._deferred_since is None, "released with a copy pending"
-        pages = lc.device_pages
-        lc.device_pages = []
-        self.device_pool.free(pages)
-        lc._tail = lc._tail[:0]
-        outcome = Outcome.ABORTED if lc._aborted else Outcome.FAILED if lc._failed else Outcome.COMPLETED
-        lc.outcome = outcome
-        del self._live[lc.id]
-        c = self.counters
-        if outcome is Outcome.COMPLETED:
-            c.released_completed += 1
-        elif outcome is Outcome.ABORTED:
-            c.released_aborted += 1
-        else:
-            c.released_failed += 1
-        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-            self._emit("lifecycle.released", lc, outcome=outcome.value, device_pages=len(pages))
-        ev = lc._released_ev
-        if ev is not None:
-            lc._released_ev = None
-            ev.set()
-        self._notify_quiet(lc)
-
     async def _deliver_loop(self) -> None:
         wait = self.backend.wait_completions
         while True:
@@ -623,38 +321,6 @@ class OffloadManager:
         """Call ``listener(event_name, fields)`` for every event; returns a remover."""
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
-
-    def _emit(self, name: str, lc: Lifecycle, **fields: Any) -> None:
-        fields["lifecycle"] = lc.id
-        fields["rid"] = lc.rid
-        fields["t"] = self.clock()
-        for fn in self._listeners:
-            fn(name, fields)
-        if debug_enabled():
-            log = lc._log
-            if log is None:
-                log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
-            log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
-
-    def _emit_delivery(self, name: str, t: Transfer, now: float, **extra: Any) -> None:
-        npages = len(t.host_pages)
-        self._emit(
-            name,
-            t.lifecycle,
-            transfer=t.id,
-            pages=npages,
-            bytes=npages * self.page_bytes,
-            latency_s=now - t.submitted_at,
-            **extra,
-        )
-
-    def _emit_transition(self, lc: Lifecycle, s: int, dest: int, e: int) -> None:
-        self._emit(
-            "lifecycle.transition",
-            lc,
-            trigger=EVENT_NAMES[e],
-            **{"from": STATES[s].name, "to": STATES[dest].name},
-        )
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""
