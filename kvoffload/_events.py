@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "debug_enabled", "logger"]
+__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "RateLimit", "debug_enabled", "logger"]
 
 #: Every event name kvoffload emits (docs/events.md lists them; a test checks).
 EVENT_NAMES: dict[str, str] = {
@@ -40,6 +40,28 @@ EVENT_NAMES: dict[str, str] = {
 }
 
 Listener = Callable[[str, dict[str, Any]], None]
+
+
+class RateLimit:
+    """One warning line per ``interval_s`` for a kind of event that can come in bursts
+    (a full host pool, a failing device): the first of a burst is logged at once, the
+    rest are held back and counted, and the next line says how many there were."""
+
+    __slots__ = ("held", "interval_s", "last")
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self.interval_s = interval_s
+        self.last = -1e18  # clock time of the last line
+        self.held = 0  # events since the last line, this one included once counted
+
+    def due(self, now: float) -> int:
+        """Count one event; return how many to report if a line is due now, else 0."""
+        self.held += 1
+        if now - self.last < self.interval_s:
+            return 0
+        n, self.held, self.last = self.held, 0, now
+        return n
+
 
 logger = structlog.get_logger("kvoffload")
 

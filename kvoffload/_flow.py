@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvoffload._events import STRUCTLOG, Listener, debug_enabled, logger
+from kvoffload._events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import KVOffloadError
@@ -41,7 +41,6 @@ _DROPPED = EVENT_INDEX["chunk_dropped"]
 _FINISH = EVENT_INDEX["finish"]
 _ABORT = EVENT_INDEX["abort"]
 _RELEASED = LifecycleState.RELEASED.value
-_DROP_LOG_INTERVAL_S = 5.0
 
 
 class LifecycleFlow:
@@ -63,8 +62,8 @@ class LifecycleFlow:
     _writes: deque[Transfer]
     _write_ev: anyio.Event | None
     _listeners: list[Listener]
-    _last_drop_log: float
-    _drops_since_log: int
+    _drop_log: RateLimit
+    _failure_log: RateLimit
 
     # --- events --------------------------------------------------------------------------
 
@@ -222,19 +221,16 @@ class LifecycleFlow:
         c.chunks_dropped += 1
         c.pages_dropped += npages
         lc.due = lc.committed + self.config.stride  # retry one stride later (F9)
-        self._drops_since_log += 1
-        now = self.clock()
-        if now - self._last_drop_log >= _DROP_LOG_INTERVAL_S:
+        held = self._drop_log.due(self.clock())
+        if held:
             logger.warning(
                 "chunk.dropped",
                 rid=lc.rid,
                 lifecycle=lc.id,
                 pages=npages,
-                drops_since_last_log=self._drops_since_log,
+                drops_since_last_log=held,
                 host_pages_free=self.host_pool.free_pages,
             )
-            self._last_drop_log = now
-            self._drops_since_log = 0
         if self._listeners:
             self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
@@ -296,7 +292,16 @@ class LifecycleFlow:
             c.chunks_failed += 1
             c.pages_failed += npages
             e = _FAILED
-            logger.warning("transfer.failed", rid=lc.rid, lifecycle=lc.id, transfer=t.id, error=repr(error))
+            held = self._failure_log.due(now)
+            if held:  # a failing device fails every copy: one line per burst interval
+                logger.warning(
+                    "transfer.failed",
+                    rid=lc.rid,
+                    lifecycle=lc.id,
+                    transfer=t.id,
+                    error=repr(error),
+                    failures_since_last_log=held,
+                )
             if self._listeners:
                 self._emit_delivery("transfer.failed", t, now, error=repr(error))
         elif lc._aborted:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvoffload._events import STRUCTLOG, Listener, debug_enabled, logger
+from kvoffload._events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger
 from kvoffload._flow import LifecycleFlow
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
@@ -97,8 +97,9 @@ class OffloadManager(LifecycleFlow):
         self._settle_ev: anyio.Event | None = None
         self._listeners: list[Listener] = []
         self._stuck_reported: set[tuple[LifecycleId, float]] = set()
-        self._last_drop_log = -1e18
-        self._drops_since_log = 0
+        # Rate limits of the warnings that come in bursts (F9: no log line every step).
+        self._drop_log = RateLimit()
+        self._failure_log = RateLimit()
         self._tg: TaskGroup | None = None
         self._open = False
         self._closed = False

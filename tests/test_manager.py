@@ -381,3 +381,34 @@ async def test_finish_with_host_full_counts_every_whole_page_it_loses() -> None:
         await complete_everything(mgr, backend)
         hog.finish()
         await complete_everything(mgr, backend)
+
+
+async def test_a_burst_of_copy_failures_logs_one_warning_and_counts_every_one() -> None:
+    """A device that fails every copy does not flood the log: the first failure is a
+    warning, the rest of the burst is held back (at most one line per interval, with
+    how many were held back); every failure is still counted and seen by listeners."""
+    backend = SimBackend()
+    clock = FakeClock()
+    async with kvo.OffloadManager(kvo.OffloadConfig(4, 4, 64, 64), backend=backend, clock=clock) as mgr:
+        seen: list[str] = []
+        mgr.add_listener(lambda name, fields: seen.append(name))
+        lcs = [mgr.admit(f"r{i}", toks(0, 4)) for i in range(10)]
+        for lc in lcs:
+            lc.extend(toks(4, 8))
+        with capture_logs() as logs:
+            for t in list(backend.pending):
+                backend.fail(t)
+            await mgr.settle()
+            clock.advance(10)
+            late = mgr.admit("late", toks(0, 4))
+            late.extend(toks(4, 8))
+            backend.fail(backend.pending[0])
+            await mgr.settle()
+        lines = [e for e in logs if e["event"] == "transfer.failed" and e["log_level"] == "warning"]
+        assert len(lines) == 2
+        assert lines[1]["failures_since_last_log"] == 10  # 9 held back, then this one
+        assert seen.count("transfer.failed") == 11
+        assert mgr.statistics().chunks_failed == 11
+        for lc in [*lcs, late]:
+            lc.finish()
+        mgr.check_invariants()
