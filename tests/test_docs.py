@@ -73,3 +73,34 @@ def test_doc_snippet_pages_have_python_blocks() -> None:
     """The snippet test above really runs the pages that carry examples."""
     pages = {page for page, _, _ in _python_blocks()}
     assert {"README.md", "docs/index.md", "docs/backends.md", "docs/storage.md", "docs/events.md"} <= pages
+
+
+def _row(text: str, name: str) -> str:
+    """The docs/api.md table row that documents ``name`` (its first cell starts with it)."""
+    rows = [line for line in text.splitlines() if re.match(rf"\| `{name}[`(]", line)]
+    assert len(rows) == 1, f"docs/api.md has {len(rows)} rows for {name}"
+    return rows[0]
+
+
+@pytest.mark.parametrize("cls", ["Lifecycle", "Transfer", "EventBackend", "Storage"])
+def test_api_doc_names_every_public_attribute(cls: str) -> None:
+    """Each public method and attribute of the class is named in its docs/api.md row."""
+    row = _row((DOCS / "api.md").read_text(), cls)
+    public = [n for n in dir(getattr(kvoffload, cls)) if not n.startswith("_")]
+    missing = [n for n in public if not re.search(rf"`(?:await )?\.?{n}\b", row)]
+    assert not missing, f"docs/api.md's {cls} row does not name {missing}"
+
+
+def test_api_doc_names_every_manager_method() -> None:
+    """Each public OffloadManager method appears in docs/api.md as ``mgr.<name>``, and
+    the constructor's row shows its real keyword parameters and defaults."""
+    text = (DOCS / "api.md").read_text()
+    public = [n for n in dir(kvoffload.OffloadManager) if not n.startswith("_")]
+    missing = [n for n in public if f"mgr.{n}(" not in text]
+    assert not missing, f"docs/api.md does not document mgr.{missing}"
+    row = _row(text, "OffloadManager")
+    for p in inspect.signature(kvoffload.OffloadManager).parameters.values():
+        shown = p.name if p.default is p.empty else f"{p.name}={p.default!r}".replace("'", '"')
+        if p.name == "clock":
+            shown = "clock=time.monotonic"
+        assert shown in row, f"the OffloadManager row does not show {shown}"
