@@ -104,3 +104,12 @@ def test_api_doc_names_every_manager_method() -> None:
         if p.name == "clock":
             shown = "clock=time.monotonic"
         assert shown in row, f"the OffloadManager row does not show {shown}"
+
+
+def test_testing_doc_lists_every_testing_name() -> None:
+    """Each name in kvoffload.testing.__all__ appears in docs/testing.md as code."""
+    import kvoffload.testing
+
+    text = (DOCS / "testing.md").read_text()
+    missing = [n for n in kvoffload.testing.__all__ if not re.search(rf"`{re.escape(n)}\b", text)]
+    assert not missing, f"docs/testing.md does not mention {missing}"
