@@ -1,8 +1,11 @@
 """A small decode loop on the SimBackend: admit, extend, finish, abort, reuse ids.
 
-Completions arrive out of order (a seeded shuffle), one request reuses the id of a
-request that is still finishing, and one is aborted with a copy in flight. At the end
-the ledger is checked and the statistics printed.
+A seeded random loop admits requests under repeating ids, decodes, finishes or aborts
+some, and completes half the copies in flight after each step, in shuffled order.
+Then the two cases kvoffload exists for, spelled out: a request id reused while its
+predecessor is still FINISHING with a copy in flight, and a request aborted with a copy
+in flight. At the end every copy completes, the ledger is checked and the statistics
+printed.
 """
 
 from __future__ import annotations
@@ -38,12 +41,25 @@ async def main(requests: int = 24, seed: int = 0) -> kvo.Statistics:
             await mgr.settle()
             mgr.check_invariants()
             live = [lc for lc in live if not lc.released]
+        # A reused id: the old request's copy is still in flight when the new one comes.
+        old = mgr.admit("req-reused", [1, 2, 3, 4])
+        old.extend(list(range(8)))  # a stride is due: one chunk goes out
+        old.finish()  # FINISHING until that copy completes
+        new = mgr.admit("req-reused", [1, 2, 3, 4])  # a separate lifecycle, same id
+        assert mgr.lifecycles("req-reused") == [old, new]
+        # An abort with a copy in flight: the copy is discarded when it completes.
+        doomed = mgr.admit("req-aborted", [5, 6, 7, 8])
+        doomed.extend(list(range(8)))
+        assert doomed.inflight == 1
+        doomed.abort()  # FINISHING until its copy completes, then RELEASED (aborted)
+        live += [old, new, doomed]
         for lc in live:
             if lc.state is not kvo.LifecycleState.FINISHING:
                 lc.finish()
         backend.complete_all()
         await mgr.settle()
         mgr.check_invariants()
+        assert old.released and new.released and doomed.outcome is kvo.Outcome.ABORTED
         stats = mgr.statistics()
     for name, value in stats.as_dict().items():
         print(f"{name:>22} {value}")
