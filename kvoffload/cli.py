@@ -55,7 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvoffload", description="KV-offload lifecycles: simulate, draw.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{simulate,graph}")
 
-    s = sub.add_parser("simulate", help="run a synthetic decode workload and print a summary")
+    s = sub.add_parser(
+        "simulate",
+        help="run a synthetic decode workload and print a summary",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     w = s.add_argument_group("workload")
     w.add_argument("--requests", type=_positive_int, default=d.requests, help="requests (%(default)s)")
     w.add_argument("--arrival-rate", type=_nonneg, default=d.arrival_rate, help="arrivals/s (%(default)s)")
@@ -75,9 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--kv-dim", type=_positive_int, default=256, help="KV elements per token (%(default)s)")
     c.add_argument("--on-host-full", choices=("drop", "wait"), default="drop")
     c.add_argument("--stuck-after-ms", type=_nonneg, default=500.0, help="watchdog deadline")
-    c.add_argument("--backend", default="auto", help="auto (cpu if available, else sim), cpu, sim")
+    c.add_argument("--backend", default="auto", help="auto (cuda with a GPU, else cpu), cpu, cuda, sim")
     c.add_argument(
-        "--store", default="auto", help="auto (file store in a temp dir), a directory, memory, none"
+        "--store",
+        default="auto",
+        help="auto (file store in a temp dir), a directory, memory, none, a redis:// URL",
     )
     o = s.add_argument_group("output")
     o.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")

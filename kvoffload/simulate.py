@@ -23,15 +23,23 @@ __all__ = ["choose_backend", "choose_store", "print_summary", "run_simulation", 
 
 
 def choose_backend(name: str = "auto") -> str:
-    """The backend name to use: ``auto`` is ``cpu`` when this build has it, else ``sim``
-    (whose copies the scheduler completes). Raises ``ValueError`` for one not here."""
+    """The backend name to use: ``auto`` is what the manager's ``"auto"`` picks (``cuda``
+    with a GPU, else ``cpu``). Raises ``ValueError`` for a name not here, or ``cuda``
+    without a GPU."""
+    import torch
+
     from kvoffload.backends import BACKENDS
 
     if name == "auto":
-        return "cpu" if "cpu" in BACKENDS else "sim"
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if name not in BACKENDS:
         raise ValueError(
             f"--backend {name!r} is not available here; choose auto or one of {sorted(BACKENDS)}"
+        )
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--backend cuda needs a CUDA GPU, but torch.cuda.is_available() is False "
+            f"(torch {torch.__version__}); use --backend cpu or auto"
         )
     return name
 

@@ -27,6 +27,12 @@ SMALL = [
 ]  # fmt: skip
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """main(argv) -> (exit code, stdout, stderr); argparse's SystemExit becomes a code."""
     try:
@@ -96,6 +102,14 @@ def test_store_none_keeps_nothing_and_still_balances(
     assert pages["stored"] == 0 and pages["not_stored"] == pages["offloaded"]
 
 
+def test_auto_backend_is_the_managers_auto() -> None:
+    """simulate's --backend auto picks what OffloadManager's "auto" picks: cuda with a
+    GPU, else cpu."""
+    from kvoffload.simulate import choose_backend
+
+    assert choose_backend("auto") == ("cuda" if _has_gpu() else "cpu")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -106,6 +120,12 @@ def test_store_none_keeps_nothing_and_still_balances(
         (["simulate", "--arrival-rate", "0"], "arrival_rate must be > 0"),
         (["simulate", "--page-size", "16", "--stride", "24"], "multiple of page_size"),
         (["simulate", "--backend", "quantum"], "not available"),
+        pytest.param(
+            ["simulate", "--backend", "cuda"],
+            "needs a CUDA GPU",
+            marks=pytest.mark.skipif(_has_gpu(), reason="a GPU is present: cuda is a valid choice"),
+            id="cuda-without-gpu",
+        ),
         (["simulate", "--store", "ftp://nowhere"], "--store"),
         (["simulate", "--json", "/nonexistent-dir/x.json"], "does not exist"),
         (["simulate", "--on-host-full", "panic"], "invalid choice"),
