@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from kvoffload.pools import DevicePool, HostPool
 
-__all__ = ["LifecycleFlow"]
+__all__ = ["LifecycleFlow", "notify_listeners"]
 
 _EXTEND = EVENT_INDEX["extend"]
 _SUBMIT = EVENT_INDEX["submit"]
@@ -42,6 +42,17 @@ _FINISH = EVENT_INDEX["finish"]
 _ABORT = EVENT_INDEX["abort"]
 _RELEASED = LifecycleState.RELEASED.value
 _DROP_LOG_INTERVAL_S = 5.0
+
+
+def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any]) -> None:
+    """Call every listener with event ``name``. The manager calls this in the middle of
+    a synchronous step: a listener that raises is logged (``listener.failed``) and the
+    step goes on, so a listener's bug never leaves the ledger half changed."""
+    for fn in listeners:
+        try:
+            fn(name, fields)
+        except Exception as exc:
+            logger.error("listener.failed", listener=repr(fn), event_name=name, error=repr(exc))
 
 
 class LifecycleFlow:
@@ -365,8 +376,8 @@ class LifecycleFlow:
         fields["lifecycle"] = lc.id
         fields["rid"] = lc.rid
         fields["t"] = self.clock()
-        for fn in self._listeners:
-            fn(name, fields)
+        if self._listeners:
+            notify_listeners(self._listeners, name, fields)
         if debug_enabled():
             log = lc._log
             if log is None:
