@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 import structlog
-from support import released, small_config, toks
+from support import FakeClock, complete_everything, released, small_config, toks
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
@@ -64,3 +64,153 @@ async def test_a_raising_listener_never_corrupts_the_ledger_or_frees_a_page_unde
         assert (s.live_lifecycles, s.device_pages_used, s.host_pages_used) == (0, 0, 0)
         assert s.pages_stored == 2
         assert any(e["event"] == "listener.failed" and e["event_name"] == event for e in logs)
+
+
+class _RefusingBackend(SimBackend):
+    """A sim backend whose ``submit`` refuses while ``refuse`` is set."""
+
+    refuse = False
+
+    def submit(self, transfer: kvo.Transfer) -> None:
+        if self.refuse:
+            raise kvo.BackendError("copy engine refused the submission")
+        super().submit(transfer)
+
+
+async def test_admit_whose_prompt_chunk_is_refused_changes_nothing() -> None:
+    """With ``offload_prompt=True`` admit submits the prompt's first chunk. When the
+    backend refuses it, admit raises and nothing is left behind: no live lifecycle
+    that the caller never got (and so could never finish), no device page, no count.
+    Before the fix the lifecycle stayed registered and its device pages leaked."""
+    backend = _RefusingBackend()
+    async with kvo.OffloadManager(small_config(offload_prompt=True), backend=backend) as mgr:
+        before = mgr.statistics()
+        backend.refuse = True
+        with pytest.raises(kvo.BackendError, match="refused"):
+            mgr.admit("r1", prompt=toks(0, 10))
+        assert mgr.statistics() == before
+        assert len(mgr) == 0
+        mgr.check_invariants()
+        backend.refuse = False
+        lc = mgr.admit("r1", prompt=toks(0, 10))  # the retry admits once
+        assert mgr.statistics().admitted == 1 and lc.inflight == 1
+        lc.finish()
+        await complete_everything(mgr, backend)
+
+
+async def test_a_deferred_tail_that_expires_counts_every_whole_page_it_loses() -> None:
+    """F9 under ``on_host_full="wait"``: when a finished request's deferred tail waits
+    past ``host_wait_s``, the drop counts every whole page not sent, as the drop policy
+    does, not only the first host-sized chunk of them."""
+    clock = FakeClock()
+    backend = SimBackend()
+    config = kvo.OffloadConfig(
+        page_size=4, stride=4, device_pages=32, host_pages=2, on_host_full="wait", host_wait_s=1.0
+    )
+    async with kvo.OffloadManager(config, backend=backend, clock=clock) as mgr:
+        hog = mgr.admit("hog", prompt=toks(0, 4))
+        hog.extend(toks(4, 12))  # one chunk of 2 pages: the host pool is full
+        lc = mgr.admit("a", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))  # a stride due, host full: deferred
+        assert lc.deferred
+        lc.extend(toks(8, 16))  # 3 whole pages now wait
+        lc.finish()
+        clock.advance(2.0)
+        mgr.tick()  # the wait expired: the 3 pages are dropped
+        s = mgr.statistics()
+        assert (s.chunks_dropped, s.pages_dropped) == (1, 3)
+        assert lc.state is RELEASED
+        hog.finish()
+        await complete_everything(mgr, backend)
+
+
+async def test_a_listener_removing_itself_does_not_hide_the_event_from_the_next_one() -> None:
+    """A one-shot listener that calls its remover while being called must not make the
+    listener after it miss that event (the list was mutated while being iterated)."""
+    backend = SimBackend()
+    async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
+        seen: list[str] = []
+        removers: list[Any] = []
+
+        def once(name: str, fields: dict[str, Any]) -> None:
+            removers[0]()
+
+        removers.append(mgr.add_listener(once))
+        mgr.add_listener(lambda name, fields: seen.append(name))
+        lc = mgr.admit("r1", prompt=toks(0, 4))
+        assert seen == ["lifecycle.admitted"]
+        lc.finish()
+
+
+async def test_cpu_backend_aclose_in_a_cancelled_scope_returns_only_once_no_copy_runs() -> None:
+    """EventBackend.aclose contract (F16): it returns only once no copy is running, so
+    no buffer is freed under one - also when the task closing it is being cancelled
+    (a server shut down by cancellation). Before the fix aclose raised at its first
+    checkpoint and left the stream thread copying."""
+    import threading
+    from types import SimpleNamespace
+
+    from support import spin
+
+    from kvoffload.backends.cpu import CpuBackend
+
+    backend = CpuBackend()
+    gate = threading.Event()
+    started = threading.Event()
+
+    def hold(t: kvo.Transfer) -> None:
+        started.set()
+        gate.wait(10)
+        return None
+
+    backend.hooks.before = hold
+    device, host = backend.create_pools(small_config())
+    backend.open(device, host)
+    workers = list(backend._workers)
+    lc: Any = SimpleNamespace(id=0, rid="r")
+    backend.submit(kvo.Transfer(lc, [0], [0], ["k"], 0, 4, 0.0))
+    await anyio.to_thread.run_sync(started.wait, 10)
+
+    async def release_later() -> None:
+        await spin(5)
+        gate.set()
+
+    alive: list[bool] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(release_later)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                await backend.aclose()
+            finally:
+                alive = [w.is_alive() for w in workers]
+    gate.set()
+    assert alive == [False]
+
+
+async def test_a_chunk_made_due_while_the_manager_is_closing_is_refused_and_changes_nothing() -> None:
+    """Once the manager has drained and is closing, no new copy may start: nobody is
+    left to deliver its completion, so its lifecycle could never be released. An
+    extend that makes a chunk due from another task in that window raises a typed
+    error and changes nothing (as admit does). Before the fix the chunk was accepted
+    and the lifecycle stayed OFFLOADING for ever."""
+    backend = SimBackend()
+    outcome: list[Any] = []
+    # The manager is left before the task group: late() first runs inside its exit.
+    async with anyio.create_task_group() as tg, kvo.OffloadManager(small_config(), backend=backend) as mgr:
+        lc = mgr.admit("r1", prompt=toks(0, 4))
+
+        async def late() -> None:  # first runs while the manager's exit awaits
+            before = mgr.statistics()
+            try:
+                lc.extend(toks(4, 8))
+            except kvo.KVOffloadError as exc:
+                outcome.append(exc)
+            outcome.append(mgr.statistics() == before)
+
+        tg.start_soon(late)
+    assert len(outcome) == 2 and isinstance(outcome[0], kvo.KVOffloadError), outcome
+    assert outcome[1] is True
+    assert backend.pending == [] and lc.inflight == 0 and lc.committed == 4
+    lc.finish()
+    assert lc.state is RELEASED
