@@ -171,8 +171,9 @@ class OffloadManager(LifecycleFlow):
         lifecycle, in PENDING (or OFFLOADING when ``offload_prompt`` submits the prompt).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. Raises :class:`~kvoffload.InvalidTokens` or
-        :class:`~kvoffload.PoolExhausted` with nothing changed.
+        the two never share state. Raises :class:`~kvoffload.InvalidTokens`,
+        :class:`~kvoffload.PoolExhausted`, or the backend's error when it refuses the
+        ``offload_prompt`` chunk, with nothing changed.
         """
         if not self._open:
             raise KVOffloadError("admit() needs an open manager: use `async with OffloadManager(...)`")
@@ -202,7 +203,14 @@ class OffloadManager(LifecycleFlow):
         if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(pages))
         if cfg.offload_prompt and aligned:
-            self._submit(lc, aligned)
+            try:
+                self._submit(lc, aligned)
+            except BaseException:  # the backend refused: admit is all or nothing
+                del self._live[lc.id]
+                self._state_counts[0] -= 1
+                self.counters.admitted -= 1
+                self.device_pool.free(pages)
+                raise
         return lc
 
     def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
