@@ -262,12 +262,12 @@ class LifecycleFlow:
                 continue
             pending = lc.committed - lc.submitted
             final = lc._s == 2
-            n = pending - pending % (cfg.page_size if final else cfg.stride)
-            n = min(n, cfg.host_pages * cfg.page_size)
+            wanted = pending - pending % (cfg.page_size if final else cfg.stride)
+            n = min(wanted, cfg.host_pages * cfg.page_size)
             if now - since > cfg.host_wait_s:
                 q.popleft()
                 lc._deferred_since = None
-                self._drop(lc, n // cfg.page_size)
+                self._drop(lc, wanted // cfg.page_size)  # every page not sent, as _submit counts
                 self._notify_quiet(lc)
                 self._fire(lc, _DROPPED)
                 continue
