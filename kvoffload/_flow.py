@@ -48,7 +48,7 @@ def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any
     """Call every listener with event ``name``. The manager calls this in the middle of
     a synchronous step: a listener that raises is logged (``listener.failed``) and the
     step goes on, so a listener's bug never leaves the ledger half changed."""
-    for fn in listeners:
+    for fn in tuple(listeners):  # a listener may remove itself (or another) while called
         try:
             fn(name, fields)
         except Exception as exc:
