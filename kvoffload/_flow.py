@@ -76,6 +76,7 @@ class LifecycleFlow:
     _listeners: list[Listener]
     _last_drop_log: float
     _drops_since_log: int
+    _closed: bool
 
     # --- events --------------------------------------------------------------------------
 
@@ -167,8 +168,12 @@ class LifecycleFlow:
 
         Order (F10): host pages first, then the backend submit, then the bookkeeping and
         the state. A full host pool drops (or defers) the chunk with nothing changed but
-        the drop counters and ``lc.due``. Returns whether a chunk was submitted.
+        the drop counters and ``lc.due``. Returns whether a chunk was submitted. Raises
+        :class:`~kvoffload.KVOffloadError` (nothing changed) once the manager is closing:
+        nothing would deliver the chunk's completion.
         """
+        if self._closed:
+            raise KVOffloadError(f"{lc!r}: the manager is closed, no copy can start; abort() releases it")
         cfg = self.config
         ps = cfg.page_size
         wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
