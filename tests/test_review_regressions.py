@@ -214,3 +214,37 @@ async def test_a_chunk_made_due_while_the_manager_is_closing_is_refused_and_chan
     assert backend.pending == [] and lc.inflight == 0 and lc.committed == 4
     lc.finish()
     assert lc.state is RELEASED
+
+
+async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_hanging() -> None:
+    """A manager used after exit: when it was left with a copy in flight (the body
+    raised; the sim copy was not waited for), nothing will ever deliver that copy's
+    completion. ``wait_drained()`` and ``settle()`` then raise a typed error instead of
+    waiting for ever - also for a task that was already waiting when the manager
+    closed."""
+    from support import spin
+
+    backend = SimBackend()
+    errors: list[BaseException] = []
+
+    async def waiter(mgr: kvo.OffloadManager) -> None:
+        try:
+            with anyio.fail_after(2):  # a hang guard, never reached once fixed
+                await mgr.wait_drained()
+        except BaseException as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(RuntimeError, match="body failed"):
+            async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
+                lc = mgr.admit("r1", prompt=toks(0, 4))
+                lc.extend(toks(4, 8))  # a copy in flight
+                tg.start_soon(waiter, mgr)
+                await spin()
+                raise RuntimeError("body failed")
+    assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
+    with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+        await mgr.wait_drained()
+    backend.complete(backend.pending[0])  # signalled, but no task is left to deliver it
+    with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+        await mgr.settle()
