@@ -143,6 +143,7 @@ class OffloadManager(LifecycleFlow):
         finally:
             self._open = False
             self._closed = True
+            self._wake_settle()  # waiters of settle/wait_drained see the manager closed
             if self._live:
                 logger.warning("manager.closed_live", live=len(self._live))
             self._tg.cancel_scope.cancel()
@@ -290,15 +291,23 @@ class OffloadManager(LifecycleFlow):
 
     async def settle(self) -> None:
         """Return once every completion the backend has signalled so far was delivered
-        and every storage write queued so far finished."""
+        and every storage write queued so far finished. On a closed manager, where
+        nothing is left to deliver or write, raises :class:`~kvoffload.KVOffloadError`
+        instead of waiting for ever."""
         while self._delivered < self.backend.signalled or self._writes:
+            if self._closed:
+                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
             if self._settle_ev is None:
                 self._settle_ev = anyio.Event()
             await self._settle_ev.wait()
 
     async def wait_drained(self) -> None:
-        """Wait until no chunk is in flight, deferred or waiting for its storage write."""
+        """Wait until no chunk is in flight, deferred or waiting for its storage write.
+        Raises :class:`~kvoffload.KVOffloadError` once the manager is closed with some
+        left (it was left before they drained; nothing will finish them)."""
         while self._inflight or self._deferred or self._writes:
+            if self._closed:
+                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
             if self._settle_ev is None:
                 self._settle_ev = anyio.Event()
             await self._settle_ev.wait()
