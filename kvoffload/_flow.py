@@ -255,7 +255,11 @@ class LifecycleFlow:
             self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
     def _pump_deferred(self) -> None:
-        """Submit deferred chunks, oldest first, while host pages last; drop the expired."""
+        """Submit deferred chunks, oldest first, while host pages last; drop the expired.
+        Does nothing once the manager is closing: no chunk may start (see ``_submit``),
+        and a background task that runs in that window must not fail on one."""
+        if self._closed:
+            return
         q = self._deferred
         cfg = self.config
         now = self.clock()
