@@ -10,6 +10,7 @@ import anyio
 import pytest
 import structlog
 from support import FakeClock, complete_everything, released, small_config, toks
+from test_manager import _RefusingBackend
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
@@ -64,17 +65,6 @@ async def test_a_raising_listener_never_corrupts_the_ledger_or_frees_a_page_unde
         assert (s.live_lifecycles, s.device_pages_used, s.host_pages_used) == (0, 0, 0)
         assert s.pages_stored == 2
         assert any(e["event"] == "listener.failed" and e["event_name"] == event for e in logs)
-
-
-class _RefusingBackend(SimBackend):
-    """A sim backend whose ``submit`` refuses while ``refuse`` is set."""
-
-    refuse = False
-
-    def submit(self, transfer: kvo.Transfer) -> None:
-        if self.refuse:
-            raise kvo.BackendError("copy engine refused the submission")
-        super().submit(transfer)
 
 
 async def test_admit_whose_prompt_chunk_is_refused_changes_nothing() -> None:
