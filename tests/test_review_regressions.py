@@ -238,3 +238,36 @@ async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_h
     backend.complete(backend.pending[0])  # signalled, but no task is left to deliver it
     with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
         await mgr.settle()
+
+
+async def test_waiting_on_a_lifecycle_whose_copy_a_closed_manager_will_never_deliver_raises() -> None:
+    """``wait_released()``, ``wait_quiescent()`` and ``retract()`` (the F6 barrier) of a
+    lifecycle whose copy is still in flight when the manager closed raise a typed error
+    instead of waiting for ever: nothing is left to deliver that copy. A task already
+    waiting when the manager closed is woken and raises too."""
+    from support import spin
+
+    backend = SimBackend()
+    errors: list[BaseException] = []
+
+    async def waiter(lc: kvo.Lifecycle) -> None:
+        try:
+            with anyio.fail_after(2):  # a hang guard, never reached once fixed
+                await lc.wait_released()
+        except BaseException as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(RuntimeError, match="body failed"):
+            async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
+                lc = mgr.admit("r1", prompt=toks(0, 4))
+                lc.extend(toks(4, 8))  # a copy in flight
+                lc.finish()
+                tg.start_soon(waiter, lc)
+                await spin()
+                raise RuntimeError("body failed")
+    assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
+    for wait in (lc.wait_released, lc.wait_quiescent, lc.retract):
+        with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+            await wait()
+    assert lc.state is kvo.LifecycleState.FINISHING and mgr.statistics().device_pages_used == 2
