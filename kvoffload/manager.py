@@ -144,6 +144,8 @@ class OffloadManager(LifecycleFlow):
             self._open = False
             self._closed = True
             self._wake_settle()  # waiters of settle/wait_drained see the manager closed
+            for lc in self._live.values():
+                lc._wake()  # and so do those of wait_released/wait_quiescent
             if self._live:
                 logger.warning("manager.closed_live", live=len(self._live))
             self._tg.cancel_scope.cancel()
