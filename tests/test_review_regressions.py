@@ -4,6 +4,7 @@ with a typed error and changes nothing") and failed before its fix."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -206,21 +207,20 @@ async def test_a_chunk_made_due_while_the_manager_is_closing_is_refused_and_chan
     assert lc.state is RELEASED
 
 
-async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_hanging() -> None:
-    """A manager used after exit: when it was left with a copy in flight (the body
-    raised; the sim copy was not waited for), nothing will ever deliver that copy's
-    completion. ``wait_drained()`` and ``settle()`` then raise a typed error instead of
-    waiting for ever - also for a task that was already waiting when the manager
-    closed."""
+async def _close_with_a_copy_in_flight(
+    backend: SimBackend, wait: Callable[[kvo.OffloadManager, kvo.Lifecycle], Awaitable[None]]
+) -> tuple[kvo.OffloadManager, kvo.Lifecycle, list[BaseException]]:
+    """Leave a manager whose body raised with one finished lifecycle's copy in flight
+    (sim: not waited for), while another task is in ``wait(mgr, lc)``; return what
+    that task raised."""
     from support import spin
 
-    backend = SimBackend()
     errors: list[BaseException] = []
 
-    async def waiter(mgr: kvo.OffloadManager) -> None:
+    async def waiter(mgr: kvo.OffloadManager, lc: kvo.Lifecycle) -> None:
         try:
             with anyio.fail_after(2):  # a hang guard, never reached once fixed
-                await mgr.wait_drained()
+                await wait(mgr, lc)
         except BaseException as exc:
             errors.append(exc)
 
@@ -229,9 +229,21 @@ async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_h
             async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
                 lc = mgr.admit("r1", prompt=toks(0, 4))
                 lc.extend(toks(4, 8))  # a copy in flight
-                tg.start_soon(waiter, mgr)
+                lc.finish()
+                tg.start_soon(waiter, mgr, lc)
                 await spin()
                 raise RuntimeError("body failed")
+    return mgr, lc, errors
+
+
+async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_hanging() -> None:
+    """A manager used after exit: when it was left with a copy in flight (the body
+    raised; the sim copy was not waited for), nothing will ever deliver that copy's
+    completion. ``wait_drained()`` and ``settle()`` then raise a typed error instead of
+    waiting for ever - also for a task that was already waiting when the manager
+    closed."""
+    backend = SimBackend()
+    mgr, _, errors = await _close_with_a_copy_in_flight(backend, lambda mgr, lc: mgr.wait_drained())
     assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
     with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
         await mgr.wait_drained()
@@ -245,27 +257,7 @@ async def test_waiting_on_a_lifecycle_whose_copy_a_closed_manager_will_never_del
     lifecycle whose copy is still in flight when the manager closed raise a typed error
     instead of waiting for ever: nothing is left to deliver that copy. A task already
     waiting when the manager closed is woken and raises too."""
-    from support import spin
-
-    backend = SimBackend()
-    errors: list[BaseException] = []
-
-    async def waiter(lc: kvo.Lifecycle) -> None:
-        try:
-            with anyio.fail_after(2):  # a hang guard, never reached once fixed
-                await lc.wait_released()
-        except BaseException as exc:
-            errors.append(exc)
-
-    async with anyio.create_task_group() as tg:
-        with pytest.raises(RuntimeError, match="body failed"):
-            async with kvo.OffloadManager(small_config(), backend=backend) as mgr:
-                lc = mgr.admit("r1", prompt=toks(0, 4))
-                lc.extend(toks(4, 8))  # a copy in flight
-                lc.finish()
-                tg.start_soon(waiter, lc)
-                await spin()
-                raise RuntimeError("body failed")
+    mgr, lc, errors = await _close_with_a_copy_in_flight(SimBackend(), lambda mgr, lc: lc.wait_released())
     assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
     for wait in (lc.wait_released, lc.wait_quiescent, lc.retract):
         with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
