@@ -37,6 +37,7 @@ EVENT_NAMES: dict[str, str] = {
     "storage.recovered": "the first storage write to succeed after a burst of failures (info)",
     "manager.drain_timeout": "leaving the manager timed out with copies in flight (error)",
     "manager.closed_live": "the manager was left with lifecycles never finished (warning)",
+    "listener.failed": "a listener raised; the event's step still ran to completion (error)",
 }
 
 Listener = Callable[[str, dict[str, Any]], None]

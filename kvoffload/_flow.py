@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from kvoffload.pools import DevicePool, HostPool
 
-__all__ = ["LifecycleFlow"]
+__all__ = ["LifecycleFlow", "notify_listeners"]
 
 _EXTEND = EVENT_INDEX["extend"]
 _SUBMIT = EVENT_INDEX["submit"]
@@ -41,6 +41,17 @@ _DROPPED = EVENT_INDEX["chunk_dropped"]
 _FINISH = EVENT_INDEX["finish"]
 _ABORT = EVENT_INDEX["abort"]
 _RELEASED = LifecycleState.RELEASED.value
+
+
+def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any]) -> None:
+    """Call every listener with event ``name``. The manager calls this in the middle of
+    a synchronous step: a listener that raises is logged (``listener.failed``) and the
+    step goes on, so a listener's bug never leaves the ledger half changed."""
+    for fn in tuple(listeners):  # a listener may remove itself (or another) while called
+        try:
+            fn(name, fields)
+        except Exception as exc:
+            logger.error("listener.failed", listener=repr(fn), event_name=name, error=repr(exc))
 
 
 class LifecycleFlow:
@@ -64,6 +75,7 @@ class LifecycleFlow:
     _listeners: list[Listener]
     _drop_log: RateLimit
     _failure_log: RateLimit
+    _closed: bool
 
     # --- events --------------------------------------------------------------------------
 
@@ -155,8 +167,12 @@ class LifecycleFlow:
 
         Order (F10): host pages first, then the backend submit, then the bookkeeping and
         the state. A full host pool drops (or defers) the chunk with nothing changed but
-        the drop counters and ``lc.due``. Returns whether a chunk was submitted.
+        the drop counters and ``lc.due``. Returns whether a chunk was submitted. Raises
+        :class:`~kvoffload.KVOffloadError` (nothing changed) once the manager is closing:
+        nothing would deliver the chunk's completion.
         """
+        if self._closed:
+            raise KVOffloadError(f"{lc!r}: the manager is closed, no copy can start; abort() releases it")
         cfg = self.config
         ps = cfg.page_size
         wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
@@ -235,7 +251,11 @@ class LifecycleFlow:
             self._emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
     def _pump_deferred(self) -> None:
-        """Submit deferred chunks, oldest first, while host pages last; drop the expired."""
+        """Submit deferred chunks, oldest first, while host pages last; drop the expired.
+        Does nothing once the manager is closing: no chunk may start (see ``_submit``),
+        and a background task that runs in that window must not fail on one."""
+        if self._closed:
+            return
         q = self._deferred
         cfg = self.config
         now = self.clock()
@@ -247,12 +267,12 @@ class LifecycleFlow:
                 continue
             pending = lc.committed - lc.submitted
             final = lc._s == 2
-            n = pending - pending % (cfg.page_size if final else cfg.stride)
-            n = min(n, cfg.host_pages * cfg.page_size)
+            wanted = pending - pending % (cfg.page_size if final else cfg.stride)
+            n = min(wanted, cfg.host_pages * cfg.page_size)
             if now - since > cfg.host_wait_s:
                 q.popleft()
                 lc._deferred_since = None
-                self._drop(lc, n // cfg.page_size)
+                self._drop(lc, wanted // cfg.page_size)  # every page not sent, as _submit counts
                 self._notify_quiet(lc)
                 self._fire(lc, _DROPPED)
                 continue
@@ -370,8 +390,8 @@ class LifecycleFlow:
         fields["lifecycle"] = lc.id
         fields["rid"] = lc.rid
         fields["t"] = self.clock()
-        for fn in self._listeners:
-            fn(name, fields)
+        if self._listeners:
+            notify_listeners(self._listeners, name, fields)
         if debug_enabled():
             log = lc._log
             if log is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvoffload._events import logger
+from kvoffload._flow import notify_listeners
 from kvoffload.lifecycle.core import LifecycleId
 
 if TYPE_CHECKING:
@@ -51,11 +52,11 @@ def report_stuck(mgr: OffloadManager) -> None:
             inflight=lc.inflight,
             oldest_transfer_age_s=None if oldest is None else round(mgr.clock() - oldest, 3),
         )
-        for fn in mgr._listeners:
-            fn(
-                "lifecycle.stuck",
-                {"lifecycle": lid, "rid": lc.rid, "state": lc.state.name, "seconds": age, "t": mgr.clock()},
-            )
+        notify_listeners(
+            mgr._listeners,
+            "lifecycle.stuck",
+            {"lifecycle": lid, "rid": lc.rid, "state": lc.state.name, "seconds": age, "t": mgr.clock()},
+        )
     live = mgr._live
     for mark in [m for m in reported if m[0] not in live or live[m[0]].state_since != m[1]]:
         reported.discard(mark)

@@ -26,6 +26,7 @@ import anyio
 import anyio.to_thread
 
 from kvoffload._events import STRUCTLOG, debug_enabled, logger
+from kvoffload._flow import notify_listeners
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -190,8 +191,7 @@ def _notify(mgr: OffloadManager, name: str, t: Transfer, **extra: object) -> dic
     lc = t.lifecycle
     fields: dict[str, object] = {"lifecycle": lc.id, "rid": lc.rid, "transfer": t.id, "pages": n}
     fields.update(bytes=n * mgr.page_bytes, t=mgr.clock(), **extra)
-    for fn in mgr._listeners:
-        fn(name, fields)
+    notify_listeners(mgr._listeners, name, fields)
     return fields
 
 

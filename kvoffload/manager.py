@@ -144,6 +144,9 @@ class OffloadManager(LifecycleFlow):
         finally:
             self._open = False
             self._closed = True
+            self._wake_settle()  # waiters of settle/wait_drained see the manager closed
+            for lc in self._live.values():
+                lc._wake()  # and so do those of wait_released/wait_quiescent
             if self._live:
                 logger.warning("manager.closed_live", live=len(self._live))
             self._tg.cancel_scope.cancel()
@@ -172,8 +175,9 @@ class OffloadManager(LifecycleFlow):
         lifecycle, in PENDING (or OFFLOADING when ``offload_prompt`` submits the prompt).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. Raises :class:`~kvoffload.InvalidTokens` or
-        :class:`~kvoffload.PoolExhausted` with nothing changed.
+        the two never share state. Raises :class:`~kvoffload.InvalidTokens`,
+        :class:`~kvoffload.PoolExhausted`, or the backend's error when it refuses the
+        ``offload_prompt`` chunk, with nothing changed.
         """
         if not self._open:
             raise KVOffloadError("admit() needs an open manager: use `async with OffloadManager(...)`")
@@ -203,7 +207,14 @@ class OffloadManager(LifecycleFlow):
         if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(pages))
         if cfg.offload_prompt and aligned:
-            self._submit(lc, aligned)
+            try:
+                self._submit(lc, aligned)
+            except BaseException:  # the backend refused: admit is all or nothing
+                del self._live[lc.id]
+                self._state_counts[0] -= 1
+                self.counters.admitted -= 1
+                self.device_pool.free(pages)
+                raise
         return lc
 
     def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
@@ -283,15 +294,23 @@ class OffloadManager(LifecycleFlow):
 
     async def settle(self) -> None:
         """Return once every completion the backend has signalled so far was delivered
-        and every storage write queued so far finished."""
+        and every storage write queued so far finished. On a closed manager, where
+        nothing is left to deliver or write, raises :class:`~kvoffload.KVOffloadError`
+        instead of waiting for ever."""
         while self._delivered < self.backend.signalled or self._writes:
+            if self._closed:
+                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
             if self._settle_ev is None:
                 self._settle_ev = anyio.Event()
             await self._settle_ev.wait()
 
     async def wait_drained(self) -> None:
-        """Wait until no chunk is in flight, deferred or waiting for its storage write."""
+        """Wait until no chunk is in flight, deferred or waiting for its storage write.
+        Raises :class:`~kvoffload.KVOffloadError` once the manager is closed with some
+        left (it was left before they drained; nothing will finish them)."""
         while self._inflight or self._deferred or self._writes:
+            if self._closed:
+                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
             if self._settle_ev is None:
                 self._settle_ev = anyio.Event()
             await self._settle_ev.wait()

@@ -348,11 +348,14 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
 
     async def aclose(self) -> None:
         """Refuse new copies, let every stream finish what it has, and join its thread:
-        returns once no copy runs (F16). Completions posted meanwhile stay available."""
+        returns once no copy runs (F16), also when the caller is being cancelled (the
+        cancellation comes out after the join). Completions posted meanwhile stay
+        available."""
         self._closed = True
         workers, self._workers = self._workers, []
         for w in workers:
             w.close()
         for w in workers:
             if w.is_alive():
-                await anyio.to_thread.run_sync(w.join, abandon_on_cancel=False)
+                with anyio.CancelScope(shield=True):  # run_sync's first checkpoint would raise
+                    await anyio.to_thread.run_sync(w.join, abandon_on_cancel=False)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NewType
 import anyio
 
 from kvoffload._events import STRUCTLOG, debug_enabled
+from kvoffload.errors import KVOffloadError
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
@@ -187,8 +188,11 @@ class Lifecycle:
     # --- waiting ---------------------------------------------------------------------
 
     async def wait_released(self) -> None:
-        """Wait until RELEASED (device pages returned). Returns at once if already."""
+        """Wait until RELEASED (device pages returned). Returns at once if already.
+        Raises :class:`~kvoffload.KVOffloadError` when the manager is closed and a chunk
+        of this lifecycle is still in flight or deferred: nothing will finish it."""
         while self._s != 3:
+            self._check_open()
             if self._released_ev is None:
                 self._released_ev = anyio.Event()
             await self._released_ev.wait()
@@ -196,11 +200,24 @@ class Lifecycle:
     async def wait_quiescent(self) -> None:
         """The barrier of every path that wants this request's device pages back
         (retraction, preemption): wait until no chunk is in flight or waiting for
-        host pages. Returns at once if already quiescent (FAILURES F6)."""
+        host pages. Returns at once if already quiescent (FAILURES F6). Raises like
+        :meth:`wait_released` on a closed manager."""
         while not self.quiescent:
+            self._check_open()
             if self._quiet_ev is None:
                 self._quiet_ev = anyio.Event()
             await self._quiet_ev.wait()
+
+    def _check_open(self) -> None:
+        if self._mgr._closed and not self.quiescent:
+            raise KVOffloadError(f"{self!r}: the manager is closed; its chunk in flight will never complete")
+
+    def _wake(self) -> None:
+        """Wake every waiter (the manager closed): each looks again and raises or returns."""
+        for ev in (self._released_ev, self._quiet_ev):
+            if ev is not None:
+                ev.set()
+        self._released_ev = self._quiet_ev = None
 
     async def retract(self) -> None:
         """Retraction / preemption: abort (if still live) and wait until RELEASED, so
