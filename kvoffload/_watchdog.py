@@ -1,8 +1,11 @@
 """The stuck-transfer watchdog (FAILURES F18).
 
-Reports, once per stuck spell, each lifecycle that has stayed in OFFLOADING or
-FINISHING longer than ``config.stuck_after_s`` (by the manager's clock): a warning
-event ``lifecycle.stuck`` and the ``stuck_reports`` counter.
+Reports each copy in flight longer than ``config.stuck_after_s`` (by the manager's
+clock), once: a warning event ``lifecycle.stuck`` naming the lifecycle (in OFFLOADING
+or FINISHING, since a chunk is in flight), its oldest stuck transfer and that copy's
+age, and the ``stuck_reports`` counter. It goes by the age of copies, not by time in a
+state: a long request whose copies each finish quickly stays OFFLOADING for as long as
+it decodes, and is not stuck.
 """
 
 from __future__ import annotations
@@ -14,49 +17,60 @@ from kvoffload._flow import notify_listeners
 from kvoffload.lifecycle.core import LifecycleId
 
 if TYPE_CHECKING:
+    from kvoffload.abc import Transfer
     from kvoffload.manager import OffloadManager
 
 __all__ = ["report_stuck", "stuck_lifecycles"]
 
 
-def stuck_lifecycles(mgr: OffloadManager) -> list[tuple[LifecycleId, float]]:
-    """(lifecycle id, seconds in state) of every live lifecycle past the deadline."""
+def stuck_lifecycles(mgr: OffloadManager) -> list[tuple[LifecycleId, Transfer, float]]:
+    """(lifecycle id, its oldest transfer, that copy's age) for every lifecycle with a
+    copy in flight past the deadline. O(chunks in flight)."""
     limit = mgr.config.stuck_after_s
     if limit is None:
         return []
     now = mgr.clock()
-    return [
-        (lc.id, now - lc.state_since)
-        for lc in mgr._live.values()
-        if lc._s in (1, 2) and now - lc.state_since > limit
-    ]
+    oldest: dict[LifecycleId, Transfer] = {}
+    for t in mgr._inflight.values():
+        if now - t.submitted_at > limit:
+            lid = t.lifecycle.id
+            seen = oldest.get(lid)
+            if seen is None or t.submitted_at < seen.submitted_at:
+                oldest[lid] = t
+    return [(lid, t, now - t.submitted_at) for lid, t in oldest.items()]
 
 
 def report_stuck(mgr: OffloadManager) -> None:
-    """Log and count every newly stuck lifecycle (once per entry into its state)."""
+    """Log and count every newly stuck copy (each transfer is reported once)."""
     reported = mgr._stuck_reported
-    for lid, age in stuck_lifecycles(mgr):
-        lc = mgr._live[lid]
-        mark = (lid, lc.state_since)
-        if mark in reported:
+    for lid, t, age in stuck_lifecycles(mgr):
+        if t.id in reported:
             continue
-        reported.add(mark)
+        reported.add(t.id)
+        lc = t.lifecycle
         mgr.counters.stuck_reports += 1
-        oldest = min((t.submitted_at for t in mgr._inflight.values() if t.lifecycle is lc), default=None)
         logger.warning(
             "lifecycle.stuck",
             lifecycle=lid,
             rid=lc.rid,
             state=lc.state.name,
+            transfer=t.id,
             seconds=round(age, 3),
             inflight=lc.inflight,
-            oldest_transfer_age_s=None if oldest is None else round(mgr.clock() - oldest, 3),
+            seconds_in_state=round(mgr.clock() - lc.state_since, 3),
         )
         notify_listeners(
             mgr._listeners,
             "lifecycle.stuck",
-            {"lifecycle": lid, "rid": lc.rid, "state": lc.state.name, "seconds": age, "t": mgr.clock()},
+            {
+                "lifecycle": lid,
+                "rid": lc.rid,
+                "state": lc.state.name,
+                "transfer": t.id,
+                "seconds": age,
+                "t": mgr.clock(),
+            },
         )
-    live = mgr._live
-    for mark in [m for m in reported if m[0] not in live or live[m[0]].state_since != m[1]]:
-        reported.discard(mark)
+    inflight = mgr._inflight
+    for tid in [tid for tid in reported if tid not in inflight]:
+        reported.discard(tid)  # delivered: forget it

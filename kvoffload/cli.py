@@ -184,7 +184,7 @@ def _simulate(args: argparse.Namespace) -> int:
             kv_shape=(args.kv_dim,),
             on_host_full=args.on_host_full,
             stuck_after_s=args.stuck_after_ms / 1000,
-            watchdog_interval_s=min(0.1, args.stuck_after_ms / 4000),
+            watchdog_interval_s=max(0.001, min(0.1, args.stuck_after_ms / 4000)),
         )
         backend = choose_backend(args.backend)
     except (kvo.ConfigError, ValueError) as exc:

@@ -46,7 +46,8 @@ class OffloadConfig:
     drain_timeout_s: float | None = 30.0
     """Leaving the manager waits at most this long for in-flight copies (``None``: for ever)."""
     stuck_after_s: float | None = None
-    """Watchdog: lifecycles in OFFLOADING/FINISHING longer than this are reported."""
+    """Watchdog: a copy in flight longer than this is reported (its lifecycle, the
+    transfer, its age), once per transfer."""
     watchdog_interval_s: float = 1.0
     """How often the watchdog looks, in seconds."""
 
@@ -72,6 +73,10 @@ class OffloadConfig:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.on_host_full not in ("drop", "wait"):
             raise ConfigError(f"on_host_full must be 'drop' or 'wait', got {self.on_host_full!r}")
+        if not isinstance(self.watchdog_interval_s, (int, float)) or not self.watchdog_interval_s > 0:
+            raise ConfigError(  # 0 would make the watchdog task spin
+                f"watchdog_interval_s must be > 0, got {self.watchdog_interval_s!r}"
+            )
         for name in ("host_wait_s", "watchdog_interval_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:

@@ -96,7 +96,8 @@ class OffloadManager(LifecycleFlow):
         self._delivered = 0
         self._settle_ev: anyio.Event | None = None
         self._listeners: list[Listener] = []
-        self._stuck_reported: set[tuple[LifecycleId, float]] = set()
+        # _stuck_reported: ids of in-flight transfers the watchdog reported (F18).
+        self._stuck_reported: set[int] = set()
         # Rate limits of the warnings that come in bursts (F9: no log line every step).
         self._drop_log = RateLimit()
         self._failure_log = RateLimit()

@@ -27,6 +27,7 @@ GOOD: dict[str, Any] = dict(page_size=4, stride=8, device_pages=16, host_pages=1
         ({"on_host_full": "block"}, "on_host_full"),
         ({"host_wait_s": -1}, "host_wait_s"),
         ({"drain_timeout_s": -1}, "drain_timeout_s"),
+        ({"watchdog_interval_s": 0}, "watchdog_interval_s must be > 0"),
     ],
 )
 def test_bad_config_raises_config_error_naming_the_field(change: dict[str, Any], words: str) -> None:

@@ -412,3 +412,33 @@ async def test_a_burst_of_copy_failures_logs_one_warning_and_counts_every_one() 
         for lc in [*lcs, late]:
             lc.finish()
         mgr.check_invariants()
+
+
+async def test_watchdog_goes_by_copy_age_not_by_time_in_state() -> None:
+    """F18 is about a copy that takes forever: a long request whose copies each finish
+    quickly but overlap (so it stays OFFLOADING past the deadline) is not reported; a
+    copy in flight past the deadline is, naming that transfer."""
+    backend = SimBackend()
+    clock = FakeClock()
+    config = kvo.OffloadConfig(4, 4, 64, 64, stuck_after_s=10, watchdog_interval_s=1000)
+    async with kvo.OffloadManager(config, backend=backend, clock=clock) as mgr:
+        seen: list[dict[str, Any]] = []
+        mgr.add_listener(
+            lambda name, fields: seen.append(dict(fields)) if name == "lifecycle.stuck" else None
+        )
+        lc = mgr.admit("long", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))
+        for step in range(8):  # 8 x 4 s in OFFLOADING, each copy 4 s old at most
+            clock.advance(4)
+            lc.extend(toks(8 + 4 * step, 12 + 4 * step))  # the next copy starts ...
+            backend.complete(backend.pending[0])  # ... then the older one completes
+            await mgr.settle()
+            mgr.tick()
+            assert lc.state is OFFLOADING
+        assert mgr.statistics().stuck_reports == 0 and seen == []
+        (slow,) = backend.pending
+        clock.advance(11)
+        mgr.tick()
+        assert mgr.statistics().stuck_reports == 1
+        assert (seen[0]["transfer"], seen[0]["seconds"]) == (slow.id, 11)
+        await complete_everything(mgr, backend)
