@@ -12,6 +12,7 @@ method call.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,10 @@ _ABORT = EVENT_INDEX["abort"]
 _RELEASED = LifecycleState.RELEASED.value
 
 
+#: Rate limits of ``listener.failed`` lines, by event name.
+_LISTENER_FAILURES: dict[str, RateLimit] = {}
+
+
 def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any]) -> None:
     """Call every listener with event ``name``. The manager calls this in the middle of
     a synchronous step: a listener that raises is logged (``listener.failed``) and the
@@ -51,7 +56,18 @@ def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any
         try:
             fn(name, fields)
         except Exception as exc:
-            logger.error("listener.failed", listener=repr(fn), event_name=name, error=repr(exc))
+            limit = _LISTENER_FAILURES.get(name)
+            if limit is None:
+                limit = _LISTENER_FAILURES[name] = RateLimit()
+            held = limit.due(time.monotonic())
+            if held:  # a listener that fails on every event: a line per event name per interval
+                logger.error(
+                    "listener.failed",
+                    listener=repr(fn),
+                    event_name=name,
+                    error=repr(exc),
+                    failures_since_last_log=held,
+                )
 
 
 class LifecycleFlow:

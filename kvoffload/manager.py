@@ -91,6 +91,8 @@ class OffloadManager(LifecycleFlow):
         self._deferred: deque[Lifecycle] = deque()
         # _writes: copied transfers waiting for their storage write (host pages held).
         self._writes: deque[Transfer] = deque()
+        # _writes_done: storage writes finished (stored or failed), ever; for settle().
+        self._writes_done = 0
         self._write_ev: anyio.Event | None = None
         self.counters = Counters()
         self._delivered = 0
@@ -137,10 +139,21 @@ class OffloadManager(LifecycleFlow):
                 await self.wait_drained()
         except TimeoutError:
             stuck = list(self._inflight.values())
-            logger.error("manager.drain_timeout", inflight=len(stuck), transfers=[repr(t) for t in stuck[:8]])
+            left = (
+                f"{len(stuck)} copies in flight, {len(self._deferred)} chunks waiting for host "
+                f"pages, {len(self._writes)} storage writes"
+            )
+            if drain:  # skipping the drain after an error under sim is by design: no error
+                logger.error(
+                    "manager.drain_timeout",
+                    inflight=len(stuck),
+                    deferred=len(self._deferred),
+                    writes=len(self._writes),
+                    transfers=[repr(t) for t in stuck[:8]],
+                )
             timeout_error = DrainTimeout(
-                f"{len(stuck)} copies still in flight after {self.config.drain_timeout_s}s: "
-                f"{stuck[:4]!r}; their pages were not freed"
+                f"left after {self.config.drain_timeout_s}s with {left} unfinished: {stuck[:4]!r}; "
+                f"the pages they use were not freed"
             )
         finally:
             self._open = False
@@ -261,6 +274,7 @@ class OffloadManager(LifecycleFlow):
         """The writer finished ``t`` (stored or failed): its host pages return (rule 3)."""
         done = self._writes.popleft()
         assert done is t, "storage writes finish in queue order"
+        self._writes_done += 1
         self.counters.pages_in_write -= len(t.host_pages)
         self.host_pool.free(t.host_pages)
         self._wake_settle()
@@ -298,23 +312,29 @@ class OffloadManager(LifecycleFlow):
         and every storage write queued so far finished. On a closed manager, where
         nothing is left to deliver or write, raises :class:`~kvoffload.KVOffloadError`
         instead of waiting for ever."""
-        while self._delivered < self.backend.signalled or self._writes:
-            if self._closed:
-                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
-            if self._settle_ev is None:
-                self._settle_ev = anyio.Event()
-            await self._settle_ev.wait()
+        delivered = self.backend.signalled
+        while self._delivered < delivered:
+            await self._wait_progress()
+        # The writes queued so far - by those deliveries too - are done when as many
+        # writes have finished (they finish in queue order).
+        written = self._writes_done + len(self._writes)
+        while self._writes_done < written:
+            await self._wait_progress()
+
+    async def _wait_progress(self) -> None:
+        """Wait for the next delivery batch or finished write (or the close)."""
+        if self._closed:
+            raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
+        if self._settle_ev is None:
+            self._settle_ev = anyio.Event()
+        await self._settle_ev.wait()
 
     async def wait_drained(self) -> None:
         """Wait until no chunk is in flight, deferred or waiting for its storage write.
         Raises :class:`~kvoffload.KVOffloadError` once the manager is closed with some
         left (it was left before they drained; nothing will finish them)."""
         while self._inflight or self._deferred or self._writes:
-            if self._closed:
-                raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
-            if self._settle_ev is None:
-                self._settle_ev = anyio.Event()
-            await self._settle_ev.wait()
+            await self._wait_progress()
             if self._deferred:
                 self._pump_deferred()
 

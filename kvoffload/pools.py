@@ -80,8 +80,11 @@ class PagePool:
         return bool(self._allocated[page])
 
     def allocate(self, n: int) -> list[int]:
-        """Take ``n`` pages or raise :class:`PoolExhausted` (nothing taken)."""
+        """Take ``n`` pages or raise :class:`PoolExhausted` (nothing taken); a negative
+        ``n`` raises :class:`PageError`."""
         free = self._free
+        if n < 0:
+            raise PageError(f"cannot allocate {n} {self.kind} pages")
         if n > len(free):
             raise PoolExhausted(self.kind, n, len(free))
         if n == 0:

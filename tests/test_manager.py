@@ -442,3 +442,55 @@ async def test_watchdog_goes_by_copy_age_not_by_time_in_state() -> None:
         assert mgr.statistics().stuck_reports == 1
         assert (seen[0]["transfer"], seen[0]["seconds"]) == (slow.id, 11)
         await complete_everything(mgr, backend)
+
+
+async def test_settle_waits_for_what_was_signalled_before_it_not_for_later_work() -> None:
+    """settle() returns once the completions signalled before the call are delivered
+    and the storage writes they queued are done; work that arrives while it waits does
+    not keep it waiting (under steady load it would never return)."""
+    import anyio
+
+    from kvoffload.storage.memory import MemoryStorage
+
+    gates: dict[str, anyio.Event] = {}
+
+    class GatedStore(MemoryStorage):
+        async def put(self, keys: Any, pages: Any) -> None:
+            if keys[0] in gates:
+                await gates[keys[0]].wait()
+            await super().put(keys, pages)
+
+    backend = SimBackend()
+    async with kvo.OffloadManager(
+        kvo.OffloadConfig(4, 4, 64, 64), backend=backend, storage=GatedStore()
+    ) as mgr:
+        a = mgr.admit("a", toks(0, 4))
+        a.extend(toks(4, 8))
+        (ta,) = backend.pending
+        gates[ta.keys[0]] = before = anyio.Event()  # a write queued before settle()
+        backend.complete(ta)
+        b = mgr.admit("b", toks(100, 104))
+        b.extend(toks(104, 108))
+        (tb,) = backend.pending
+        gates[tb.keys[0]] = later = anyio.Event()  # a write queued while settle() waits
+        done = anyio.Event()
+
+        async def settle() -> None:
+            await mgr.settle()
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(settle)
+            await anyio.sleep(0.01)
+            assert not done.is_set()  # a's write is not done yet
+            backend.complete(tb)  # new work arrives; its write blocks
+            await anyio.sleep(0.01)
+            before.set()
+            with anyio.fail_after(5):
+                await done.wait()  # returns although b's write is still pending
+            assert mgr.statistics().pages_in_write == 1
+            later.set()
+        a.finish()
+        b.finish()
+        await mgr.settle()
+        mgr.check_invariants()

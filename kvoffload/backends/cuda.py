@@ -263,10 +263,12 @@ class CudaBackend(ThreadedBackend[InFlight]):
         if self.completion == "poll":
             self._closed = True
             streams = self._streams()
-            while any(s.queued for s in streams):
-                for s in streams:
-                    batch = s.take_done()
-                    if batch:
-                        self.inbox.post(batch)
-                await anyio.sleep(_POLL_MAX_S)
+            # Shielded like the threads' join: a cancelled closer still waits for the copies.
+            with anyio.CancelScope(shield=True):
+                while any(s.queued for s in streams):
+                    for s in streams:
+                        batch = s.take_done()
+                        if batch:
+                            self.inbox.post(batch)
+                    await anyio.sleep(_POLL_MAX_S)
         await super().aclose()
