@@ -309,12 +309,15 @@ class LifecycleFlow:
 
     # --- completions ---------------------------------------------------------------------
 
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
-        """Apply one completion to the lifecycle that issued it (the transfer holds it)."""
+    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
+        """Apply one completion to the lifecycle that issued it (the transfer holds it).
+        ``now``: the delivery time (one clock read per batch), else read here."""
         if self._inflight.pop(t.id, None) is None:
             raise KVOffloadError(f"{t!r} completed twice or was never submitted")
         lc = t.lifecycle
-        t.completed_at = now = self.clock()
+        if now is None:
+            now = self.clock()
+        t.completed_at = now
         t.error = error
         host = t.host_pages
         npages = len(host)

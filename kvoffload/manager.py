@@ -252,8 +252,11 @@ class OffloadManager(LifecycleFlow):
             self._deliver_batch(await wait())
 
     def _deliver_batch(self, batch: list[Completion]) -> None:
+        """Apply a batch of completions in one loop (one clock read for the batch)."""
+        now = self.clock()
+        deliver = self._deliver
         for t, err in batch:
-            self._deliver(t, err)
+            deliver(t, err, now)
         self._delivered += len(batch)
         self._wake_settle()
 

@@ -31,19 +31,19 @@ class RoutedByRequestId(OffloadManager):
     """F1: a completion is applied to the newest live lifecycle with the transfer's
     request id, not to the lifecycle that issued it."""
 
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
         same_rid = [lc for lc in self._live.values() if lc.rid == t.lifecycle.rid]
         if same_rid:
             t.lifecycle = same_rid[-1]
-        super()._deliver(t, error)
+        super()._deliver(t, error, now)
 
 
 class FreedMidDecode(OffloadManager):
     """F3: a chunk's device pages go back to the pool when its copy completes, while
     the request is still decoding."""
 
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
-        super()._deliver(t, error)
+    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
+        super()._deliver(t, error, now)
         if error is None and not t.lifecycle.released:
             self.device_pool.free(t.device_pages)
 
@@ -64,8 +64,8 @@ class ReleasedTwice(OffloadManager):
         self._last_released = (lc, list(lc.device_pages))
         super()._release(lc)
 
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
-        super()._deliver(t, error)
+    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
+        super()._deliver(t, error, now)
         released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
         if released is not None and released[0] is t.lifecycle:
             self._last_released = None
@@ -90,11 +90,11 @@ class KeysAtCompletion(OffloadManager):
             self._tokens[t.id] = tail[: t.n_tokens]
         return submitted
 
-    def _deliver(self, t: Transfer, error: BaseException | None) -> None:
+    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
         prev = self._last_key.get(t.lifecycle.id)
         t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
         self._last_key[t.lifecycle.id] = t.keys[-1]
-        super()._deliver(t, error)
+        super()._deliver(t, error, now)
 
 
 from kvoffload.lifecycle.table import EVENT_INDEX  # noqa: E402
