@@ -51,10 +51,10 @@ class FreedMidDecode(OffloadManager):
 class FirstCompletionReleases(OffloadManager):
     """F5: a finished request with two chunks in flight is released by the first."""
 
-    def _fire(self, lc: Lifecycle, e: int) -> None:
+    def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
         if lc._s == _FINISHING and lc.inflight > 0 and e in (_DONE, _FAILED):
             lc.inflight = 0  # "this request is done": the other chunk is forgotten
-        super()._fire(lc, e)
+        super()._fire(lc, e, now)
 
 
 class ReleasedTwice(OffloadManager):
