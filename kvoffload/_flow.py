@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvoffload._events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger
-from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.errors import KVOffloadError
 from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
@@ -42,6 +42,8 @@ _DROPPED = EVENT_INDEX["chunk_dropped"]
 _FINISH = EVENT_INDEX["finish"]
 _ABORT = EVENT_INDEX["abort"]
 _RELEASED = LifecycleState.RELEASED.value
+#: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
+_DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
 
 #: Rate limits of ``listener.failed`` lines, by event name.
@@ -311,26 +313,110 @@ class LifecycleFlow:
 
     def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
         """Apply one completion to the lifecycle that issued it (the transfer holds it).
-        ``now``: the delivery time (one clock read per batch), else read here."""
-        if self._inflight.pop(t.id, None) is None:
-            raise KVOffloadError(f"{t!r} completed twice or was never submitted")
+        ``now``: the delivery time (one clock read per batch), else read here. A subclass
+        may override this hook: the manager's batch loop then calls it per completion."""
+        self._deliver_all(((t, error),), self.clock() if now is None else now)
+
+    def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
+        """Apply completions in order, each exactly as one :meth:`_deliver` would, doing
+        once per batch what need not be done per completion: the observed gate, the
+        ledger writes and the host-page return of copied chunks (one checked
+        ``PagePool.free``). Raises :class:`~kvoffload.KVOffloadError` on a completion
+        delivered twice, :class:`~kvoffload.PageError` on a host double free,
+        :class:`~kvoffload.InvalidTransition` from the table.
+
+        Invariant: what the loop holds back (``chunks``/``pages``/``held``) is written
+        to the counters and the host pool (``_credit``) before anything can read them -
+        a log line or listener, ``_fire``'s full path (release, events, a subclass's
+        hook), ``_pump_deferred`` - and on the way out, normally or by an exception.
+        """
+        inflight = self._inflight
+        rows = _DONE_ROWS
+        counts = self._state_counts
+        fire = self._fire
+        hooked = type(self)._fire is not LifecycleFlow._fire  # a subclass's hook sees every event
+        observed = bool(self._listeners) or (STRUCTLOG.is_configured and debug_enabled())
+        store = self.storage is not None
+        writes = self._writes
+        chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
+        held: list[int] = []  # their host pages, not yet returned (none with storage)
+        try:
+            for t, error in batch:
+                if inflight.pop(t.id, None) is None:
+                    raise KVOffloadError(f"{t!r} completed twice or was never submitted")
+                lc = t.lifecycle
+                t.completed_at = now
+                t.error = error
+                lc.inflight -= 1
+                if error is None and not (observed or hooked or lc._aborted or self._deferred):
+                    s = lc._s
+                    dest = rows[s][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
+                    if 0 <= dest != _RELEASED:
+                        # Copied, nothing to emit, release or pump: the ledger waits for the
+                        # batch (or the next full path) and TABLE's step is applied here.
+                        chunks += 1
+                        host = t.host_pages
+                        pages += len(host)
+                        if store:
+                            writes.append(t)
+                            if self._write_ev is not None:
+                                self._write_ev.set()
+                        else:
+                            held += host
+                        if dest != s:
+                            counts[s] -= 1
+                            lc._s = dest
+                            lc.state_since = now
+                            counts[dest] += 1
+                        if lc._quiet_ev is not None:
+                            self._notify_quiet(lc)
+                        continue
+                # The full path, one completion at a time, on a balanced ledger.
+                if chunks:
+                    credit = chunks, pages, held
+                    chunks = pages = 0
+                    held = []
+                    self._credit(*credit)
+                e = self._account(t, error, now)
+                fire(lc, e, now)
+                if lc._quiet_ev is not None:
+                    self._notify_quiet(lc)
+                if self._deferred and (error is not None or lc._aborted or not store):
+                    self._pump_deferred()  # host pages came back
+                observed = bool(self._listeners) or (STRUCTLOG.is_configured and debug_enabled())
+        finally:
+            if chunks:
+                self._credit(chunks, pages, held)
+
+    def _credit(self, chunks: int, pages: int, held: list[int]) -> None:
+        """Write ``chunks`` copied chunks of ``pages`` pages to the ledger and return
+        ``held``, their host pages (none while a storage tier writes them behind)."""
+        c = self.counters
+        c.chunks_inflight -= chunks
+        c.pages_inflight -= pages
+        c.chunks_copied += chunks
+        c.pages_copied += pages
+        if self.storage is not None:
+            c.pages_in_write += pages
+        else:
+            c.pages_not_stored += pages
+        if held:
+            self.host_pool.free(held)
+
+    def _account(self, t: Transfer, error: BaseException | None, now: float) -> int:
+        """The ledger part of one completion, written at once, then its log line and
+        events (the ledger balances when they run). Returns the event to fire."""
         lc = t.lifecycle
-        if now is None:
-            now = self.clock()
-        t.completed_at = now
-        t.error = error
         host = t.host_pages
         npages = len(host)
         c = self.counters
-        c.chunks_inflight -= 1
-        c.pages_inflight -= npages
-        lc.inflight -= 1
-        free_host = True
         if error is not None:
             lc._failed = True
+            c.chunks_inflight -= 1
+            c.pages_inflight -= npages
             c.chunks_failed += 1
             c.pages_failed += npages
-            e = _FAILED
+            self.host_pool.free(host)
             held = self._failure_log.due(now)
             if held:  # a failing device fails every copy: one line per burst interval
                 logger.warning(
@@ -343,33 +429,26 @@ class LifecycleFlow:
                 )
             if self._listeners:
                 self._emit_delivery("transfer.failed", t, now, error=repr(error))
-        elif lc._aborted:
+            return _FAILED
+        if lc._aborted:
+            c.chunks_inflight -= 1
+            c.pages_inflight -= npages
             c.chunks_discarded += 1
             c.pages_discarded += npages
-            e = _DONE
-            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit_delivery("transfer.discarded", t, now)
-        else:
-            c.chunks_copied += 1
-            c.pages_copied += npages
-            e = _DONE
-            if self.storage is not None:
-                free_host = False
-                c.pages_in_write += npages
-                self._writes.append(t)
-                if self._write_ev is not None:
-                    self._write_ev.set()
-            else:
-                c.pages_not_stored += npages
-            if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                self._emit_delivery("transfer.completed", t, now)
-        if free_host:
             self.host_pool.free(host)
-        self._fire(lc, e, now)
-        if lc._quiet_ev is not None:
-            self._notify_quiet(lc)
-        if free_host and self._deferred:
-            self._pump_deferred()
+            name = "transfer.discarded"
+        elif self.storage is not None:
+            self._writes.append(t)
+            if self._write_ev is not None:
+                self._write_ev.set()
+            self._credit(1, npages, [])
+            name = "transfer.completed"
+        else:
+            self._credit(1, npages, host)
+            name = "transfer.completed"
+        if self._listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self._emit_delivery(name, t, now)
+        return _DONE
 
     def _notify_quiet(self, lc: Lifecycle) -> None:
         ev = lc._quiet_ev

@@ -252,11 +252,15 @@ class OffloadManager(LifecycleFlow):
             self._deliver_batch(await wait())
 
     def _deliver_batch(self, batch: list[Completion]) -> None:
-        """Apply a batch of completions in one loop (one clock read for the batch)."""
+        """Apply a batch of completions in one loop (one clock read for the batch); one
+        ``_deliver`` call per completion where a subclass overrides that hook."""
         now = self.clock()
-        deliver = self._deliver
-        for t, err in batch:
-            deliver(t, err, now)
+        if type(self)._deliver is LifecycleFlow._deliver:
+            self._deliver_all(batch, now)
+        else:
+            deliver = self._deliver
+            for t, err in batch:
+                deliver(t, err, now)
         self._delivered += len(batch)
         self._wake_settle()
 
