@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload._events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import InvalidTransition, KVOffloadError
 from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
 from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
@@ -102,8 +102,6 @@ class LifecycleFlow:
             self._illegal(lc, e)
 
     def _illegal(self, lc: Lifecycle, e: int) -> None:
-        from kvoffload.errors import InvalidTransition
-
         raise InvalidTransition(lc, STATES[lc._s], EVENT_NAMES[e])
 
     def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
@@ -127,8 +125,7 @@ class LifecycleFlow:
             self._emit_transition(lc, s, dest, e)
 
     def _extend(self, lc: Lifecycle, tokens: Sequence[int]) -> None:
-        if TABLE[lc._s][_EXTEND][0] < 0:
-            self._illegal(lc, _EXTEND)
+        self._check(lc, _EXTEND)
         toks = validate_tokens(tokens)
         n = len(toks)
         committed = lc.committed + n
@@ -294,14 +291,14 @@ class LifecycleFlow:
                 self._notify_quiet(lc)
                 self._fire(lc, _DROPPED)
                 continue
-            if n <= 0 or self.host_pool.free_pages < n // cfg.page_size:
-                if n <= 0:  # nothing left to send (cannot happen today; be safe)
-                    q.popleft()
-                    lc._deferred_since = None
-                    self._notify_quiet(lc)
-                    self._fire(lc, _DROPPED)
-                    continue
-                break
+            if n <= 0:  # nothing left to send (a prompt chunk sent with a later one; be safe)
+                q.popleft()
+                lc._deferred_since = None
+                self._notify_quiet(lc)
+                self._fire(lc, _DROPPED)
+                continue
+            if self.host_pool.free_pages < n // cfg.page_size:
+                break  # FIFO: later ones wait behind this one
             q.popleft()
             lc._deferred_since = None
             if final:

@@ -372,40 +372,17 @@ class OffloadManager(LifecycleFlow):
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""
-        c = self.counters
         sc = self._state_counts
         return Statistics(
             live_lifecycles=len(self._live),
             pending=sc[0],
             offloading=sc[1],
             finishing=sc[2],
-            admitted=c.admitted,
-            released_completed=c.released_completed,
-            released_aborted=c.released_aborted,
-            released_failed=c.released_failed,
             device_pages_used=self.device_pool.used,
             device_pages_total=self.device_pool.n_pages,
             host_pages_used=self.host_pool.used,
             host_pages_total=self.host_pool.n_pages,
-            chunks_inflight=c.chunks_inflight,
-            chunks_submitted=c.chunks_submitted,
-            chunks_copied=c.chunks_copied,
-            chunks_discarded=c.chunks_discarded,
-            chunks_failed=c.chunks_failed,
-            chunks_dropped=c.chunks_dropped,
-            chunks_deferred=c.chunks_deferred,
-            pages_inflight=c.pages_inflight,
-            pages_submitted=c.pages_submitted,
-            pages_copied=c.pages_copied,
-            pages_discarded=c.pages_discarded,
-            pages_failed=c.pages_failed,
-            pages_dropped=c.pages_dropped,
-            pages_stored=c.pages_stored,
-            pages_store_failed=c.pages_store_failed,
-            pages_store_retried=c.pages_store_retried,
-            pages_in_write=c.pages_in_write,
-            pages_not_stored=c.pages_not_stored,
-            stuck_reports=c.stuck_reports,
+            **self.counters.as_dict(),  # every counter is a Statistics field of its name
         )
 
     def check_invariants(self) -> None:

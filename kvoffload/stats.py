@@ -50,6 +50,10 @@ class Counters:
         """Every counter name."""
         return tuple(f.name for f in fields(self))
 
+    def as_dict(self) -> dict[str, int]:
+        """Every counter by name (each is also a :class:`Statistics` field)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 @dataclass(frozen=True, slots=True)
 class Statistics:
