@@ -334,7 +334,7 @@ def main() -> None:
         f"  a whole decode step, AsyncMachine-based (dict + one AsyncMachine transition): "
         f"{(step_base + amachine) * 1e6:.3f} µs = {(step_base + amachine) / step_ours:.1f}x kvoffload's"
     )
-    from kvoffload._events import STRUCTLOG, debug_enabled
+    from kvoffload.core.events import STRUCTLOG, debug_enabled
 
     def gate_check() -> bool:  # exactly the hot paths' test, minus the listeners read
         return bool(STRUCTLOG.is_configured and debug_enabled())

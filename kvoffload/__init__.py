@@ -16,11 +16,12 @@ from kvoffload.errors import (
     PageError,
     PoolExhausted,
     StorageError,
+    WrongThread,
 )
 from kvoffload.keys import chain_keys, page_key
 from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
-from kvoffload.manager import OffloadManager
-from kvoffload.stats import Statistics
+from kvoffload.core.stats import Statistics
+from kvoffload.drivers import OffloadManager, SyncOffloadManager
 
 __version__ = "0.1.0"
 
@@ -46,7 +47,9 @@ __all__ = [
     "Statistics",
     "Storage",
     "StorageError",
+    "SyncOffloadManager",
     "Transfer",
+    "WrongThread",
     "__version__",
     "chain_keys",
     "page_key",

@@ -1,17 +1,18 @@
 """Every interface kvoffload's layers share, in one place.
 
-Bookkeeping (the manager and its lifecycles) and data movement (event backends and
-storages) meet only here. They share a tiny vocabulary: a :class:`Transfer` (which
-device pages go to which host pages, under which keys) and a :data:`Completion`
-(that transfer, and the error if its copy failed). Backends and storages never read
-or change lifecycle state.
+Bookkeeping (the core and its lifecycles) and data movement (event backends and
+storages: the movers) meet only here. They share a tiny vocabulary: a
+:class:`Transfer` (which device pages go to which host pages, under which keys), a
+:data:`Completion` (that transfer, and the error if its copy failed) and a
+:class:`WriteJob` (host pages to store under their keys). Backends and storages never
+read or change lifecycle state.
 """
 
 from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias
 
 from kvoffload.errors import BackendError
@@ -27,6 +28,7 @@ __all__ = [
     "Storage",
     "Transfer",
     "TransferId",
+    "WriteJob",
 ]
 
 TransferId = NewType("TransferId", int)
@@ -37,11 +39,13 @@ _transfer_ids = itertools.count(1)
 class Transfer:
     """One chunk: a copy of whole device pages to host pages, submitted as a unit.
 
-    Created by the manager (loop thread) *after* its host pages were allocated, and
-    immutable from then on except for ``completed_at`` and ``error``, which the
-    manager sets on delivery. The transfer holds the lifecycle that issued it: that is
-    how a completion reaches its own lifecycle and nothing is looked up by request id.
-    Backends read ``device_pages``, ``host_pages`` and ``stream``; nothing else.
+    Created by the core (owner thread) *after* its host pages were allocated, and
+    immutable from then on except for ``completed_at`` and ``error``, which the core
+    sets on delivery. The transfer holds the lifecycle that issued it: that is how a
+    completion reaches its own lifecycle and nothing is looked up by request id.
+    Backends read ``device_pages``, ``host_pages``, ``stream`` and ``ready`` (what the
+    copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``);
+    nothing else.
     """
 
     __slots__ = (
@@ -54,6 +58,7 @@ class Transfer:
         "keys",
         "lifecycle",
         "n_tokens",
+        "ready",
         "stream",
         "submitted_at",
     )
@@ -78,6 +83,7 @@ class Transfer:
         self.n_tokens = n_tokens
         self.submitted_at = submitted_at
         self.stream = stream
+        self.ready: Any = None
         self.completed_at: float | None = None
         self.error: BaseException | None = None
 
@@ -115,21 +121,48 @@ Completion: TypeAlias = "tuple[Transfer, BaseException | None]"
 """A finished copy: the transfer and ``None``, or the error that failed it."""
 
 
+class WriteJob:
+    """A copied chunk's host pages, to be written to the storage tier under ``keys``.
+
+    Made by the core when a chunk's copy completed; its host pages stay held until the
+    writer reports the job done (stored or failed). It names its lifecycle by id and
+    rid only (labels for events): a writer never holds a lifecycle (F2).
+    """
+
+    __slots__ = ("host_pages", "id", "keys", "lifecycle_id", "rid")
+
+    def __init__(self, tid: int, keys: list[str], host_pages: list[int], lifecycle_id: int, rid: Any) -> None:
+        self.id = tid  # the transfer's id
+        self.keys = keys
+        self.host_pages = host_pages
+        self.lifecycle_id = lifecycle_id
+        self.rid = rid
+
+    def __repr__(self) -> str:
+        return f"<WriteJob of transfer #{self.id} ({len(self.host_pages)} page(s))>"
+
+
 class EventBackend(abc.ABC):
-    """Moves bytes from device pages to host pages and signals completion.
+    """A mover: copies device pages to host pages and signals completion.
 
-    Where it runs: ``open``, ``submit``, ``wait_completions`` and ``aclose`` are called
-    from the event loop thread by the manager; the copies themselves may run anywhere
-    (a worker thread, a CUDA stream, or - for the sim backend - when a test says so).
+    Where it runs: every method but the copies themselves is called on the driver's
+    owner thread; the copies run on worker threads, a CUDA stream, or - for the sim
+    backend - when a test says so. A submitted transfer is *accepted* at once (and may
+    be refused then) but no copy reads its pages before :meth:`launch`, which the driver
+    calls when control returns to it: the event loop's next turn, or the next ``poll()``
+    (FAILURES F19). Completions are taken without blocking (:meth:`take_completions`);
+    a driver that waits is woken through :meth:`set_waker`.
 
-    Guarantees every backend gives (checked by ``tests/backends`` on each):
+    Guarantees every backend gives (``tests/backends`` checks them on sim and cpu on
+    every run, and on cuda where a GPU is present):
 
-    - ``submit`` returns at once; it never waits for a copy.
+    - ``submit`` and ``launch`` return at once; they never wait for a copy.
     - Each submitted transfer completes exactly once, as a success or as a failure of
       that transfer only; within one stream, completions come in submission order.
     - The host pages of a successful transfer hold the bytes the device pages held when
-      it was submitted (for a device that the engine keeps writing, see F17).
-    - ``aclose`` returns only once no copy is running, so no buffer is freed under one.
+      it was launched (the engine writes a page before it hands it over, F17/F26).
+    - After :meth:`close`, :meth:`join` returns ``True`` only once no copy is running,
+      so no buffer is freed under one; it honours its timeout.
     """
 
     name: ClassVar[str] = "abstract"
@@ -137,29 +170,66 @@ class EventBackend(abc.ABC):
     #: backend, whose copies finish when a test says so: leaving the manager because
     #: the body raised then does not wait for copies that nobody will complete.
     completes_on_its_own: ClassVar[bool] = True
+    #: Whether completions are found by asking (``take_completions`` polls events)
+    #: rather than posted by threads: a waiting driver then polls with backoff.
+    needs_polling: ClassVar[bool] = False
 
     @abc.abstractmethod
     def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
         """Allocate the device and host pools this backend copies between."""
 
     def open(self, device: DevicePool, host: HostPool) -> None:  # noqa: B027 - optional hook
-        """Bind the pools before the first submit. Called once, in the manager's ``__aenter__``."""
+        """Bind the pools before the first submit; start worker threads. Called once."""
+
+    @abc.abstractmethod
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Call ``waker()`` (from any thread, at most once until the completions it
+        announced were taken) whenever completions become ready; ``None``: nobody waits."""
 
     @abc.abstractmethod
     def submit(self, transfer: Transfer) -> None:
-        """Start copying ``transfer.device_pages`` to ``transfer.host_pages``. Never blocks.
+        """Accept ``transfer``: check it and queue it; read no page yet. Never blocks.
 
-        Raises :class:`~kvoffload.BackendError` if the copy cannot be started (then
-        nothing was started and the caller still owns the host pages).
+        Raises :class:`~kvoffload.BackendError` if the copy cannot be accepted (then
+        nothing was queued and the caller still owns the host pages).
         """
+
+    def launch(self) -> None:  # noqa: B027 - optional hook
+        """Start the copies of every transfer accepted since the last call. Never blocks.
+        A copy that cannot start completes as a failure of that transfer (F20)."""
 
     @abc.abstractmethod
-    async def wait_completions(self) -> list[Completion]:
-        """Wait until at least one copy has finished; return every finished one.
+    def take_completions(self, max_completions: int | None = None) -> list[Completion]:
+        """The completions ready now, oldest first (at most ``max_completions``), each
+        returned once. Never blocks."""
 
-        Each completion is returned once, in per-stream submission order. Only the
-        manager's delivery task calls this.
-        """
+    @property
+    @abc.abstractmethod
+    def ready(self) -> int:
+        """Completions signalled and not yet taken."""
+
+    @property
+    @abc.abstractmethod
+    def signalled(self) -> int:
+        """Completions made available so far (monotonic)."""
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        """Block this thread until a completion is ready or ``timeout`` seconds passed;
+        return whether one is ready. The default sleeps in short steps."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 20e-6
+        while not self.ready and not self.take_ready_nowait():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 1e-3)
+        return True
+
+    def take_ready_nowait(self) -> bool:
+        """For polling backends: look for completions now; return whether one is ready."""
+        return bool(self.ready)
 
     @property
     def streams(self) -> int:
@@ -167,13 +237,51 @@ class EventBackend(abc.ABC):
         one stream come in submission order; streams are independent of each other."""
         return 1
 
-    @property
-    @abc.abstractmethod
-    def signalled(self) -> int:
-        """Completions made available to ``wait_completions`` so far (monotonic)."""
+    def running(self) -> list[Transfer]:
+        """Transfers whose copy was accepted and has not signalled (for error messages)."""
+        return []
 
-    async def aclose(self) -> None:  # noqa: B027 - optional hook
-        """Stop; return once no copy is running. Called after the manager drained."""
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Accept nothing more; let what was accepted finish. Never blocks."""
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds (``None``: for ever) until no copy runs;
+        return whether none runs. Call after :meth:`close`."""
+        return True
+
+    async def wait_completions(self) -> list[Completion]:
+        """Wait until at least one completion is ready; return every ready one. For
+        callers on an asyncio loop that drive a backend directly (tests, tools)."""
+        import asyncio
+
+        import anyio
+
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = self.take_completions()
+            if batch:
+                return batch
+            if self.needs_polling:
+                await anyio.sleep(1e-4)
+                continue
+            ev = anyio.Event()
+            self.set_waker(lambda: loop.call_soon_threadsafe(ev.set))
+            try:
+                if not self.ready:
+                    await ev.wait()
+            finally:
+                self.set_waker(None)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then wait until no copy runs, on a worker thread; returns only
+        once none runs, also when the caller is cancelled (the cancellation comes out
+        after). For callers on an event loop that drive a backend directly."""
+        import anyio
+        import anyio.to_thread
+
+        self.close()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.join, None, abandon_on_cancel=False)
 
 
 class Storage(abc.ABC):

@@ -18,6 +18,7 @@ __all__ = [
     "PageError",
     "PoolExhausted",
     "StorageError",
+    "WrongThread",
 ]
 
 
@@ -84,3 +85,12 @@ class DrainTimeout(KVOffloadError):
 
 class InvariantViolation(KVOffloadError, AssertionError):
     """``check_invariants()`` found the ledger out of balance: a kvoffload bug."""
+
+
+class WrongThread(KVOffloadError, RuntimeError):
+    """A call came from a thread other than the manager's owner thread (FAILURES F24).
+
+    The owner is the event loop's thread (:class:`~kvoffload.OffloadManager`) or the
+    thread that opened a :class:`~kvoffload.SyncOffloadManager`. The message names both
+    threads; nothing was changed.
+    """

@@ -30,7 +30,7 @@ import anyio
 from kvoffload.errors import PoolExhausted
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.manager import OffloadManager
+from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.workload import RequestPlan, WorkloadSpec
 
 __all__ = ["DecodeScheduler", "SchedulerResult"]

@@ -85,7 +85,7 @@ async def simulate(
     """
     from kvoffload.backends import resolve_backend
     from kvoffload.errors import KVOffloadError
-    from kvoffload.manager import OffloadManager
+    from kvoffload.drivers.asyncio import OffloadManager
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan

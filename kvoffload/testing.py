@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvoffload.backends.sim import SimBackend
-from kvoffload.manager import OffloadManager
+from kvoffload.drivers.asyncio import OffloadManager
 
 if TYPE_CHECKING:
     from kvoffload._testing.capture import TransitionRecord, capture_transitions

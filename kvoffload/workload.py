@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,14 +138,21 @@ class FaultyBackend(EventBackend):
 
     def open(self, device: DevicePool, host: HostPool) -> None:
         self.inner.open(device, host)
+        self.completes_on_its_own = self.inner.completes_on_its_own  # type: ignore[misc]
+        self.needs_polling = self.inner.needs_polling  # type: ignore[misc]
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self.inner.set_waker(waker)
 
     def submit(self, transfer: Transfer) -> None:
         self.inner.submit(transfer)
 
-    async def wait_completions(self) -> list[Completion]:
-        batch = await self.inner.wait_completions()
+    def launch(self) -> None:
+        self.inner.launch()
+
+    def take_completions(self, max_completions: int | None = None) -> list[Completion]:
         out: list[Completion] = []
-        for t, err in batch:
+        for t, err in self.inner.take_completions(max_completions):
             if err is None and self.rate and self._rng.random() < self.rate:
                 self.injected += 1
                 err = BackendError(f"injected copy failure of transfer {t.id}")
@@ -152,11 +160,31 @@ class FaultyBackend(EventBackend):
         return out
 
     @property
+    def ready(self) -> int:
+        return self.inner.ready
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        return self.inner.wait_ready(timeout)
+
+    def take_ready_nowait(self) -> bool:
+        return self.inner.take_ready_nowait()
+
+    @property
     def signalled(self) -> int:
         return self.inner.signalled
 
-    async def aclose(self) -> None:
-        await self.inner.aclose()
+    @property
+    def streams(self) -> int:
+        return self.inner.streams
+
+    def running(self) -> list[Transfer]:
+        return self.inner.running()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def join(self, timeout: float | None = None) -> bool:
+        return self.inner.join(timeout)
 
 
 def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 import kvoffload as kvo
-from kvoffload._events import EVENT_NAMES
+from kvoffload.core.events import EVENT_NAMES
 from kvoffload.abc import Storage
 from kvoffload.errors import StorageError
 from kvoffload.testing import SimBackend

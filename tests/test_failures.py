@@ -424,7 +424,7 @@ async def test_f8_release_cannot_run_twice(backend: SimBackend) -> None:
             backend.fail(t)
         # ...and by the manager, were a backend to deliver it anyway.
         with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-            mgr._deliver(t, None)
+            mgr.core.complete([(t, None)])
         unchanged(mgr, before)
         assert all(v >= 0 for v in mgr.statistics().as_dict().values())
 
@@ -747,7 +747,9 @@ async def test_f16_leaving_the_manager_drains_inflight_copies(backend: SimBacken
 
 async def test_f16_drain_timeout_raises_and_frees_nothing_under_the_copy(backend: SimBackend) -> None:
     """F16: a copy that never completes: leaving raises DrainTimeout after
-    drain_timeout_s, and that copy's device and host pages were not freed."""
+    drain_timeout_s, and that copy's device and host pages were not freed. The
+    lifecycle, still live at close, was aborted there: FINISHING until a copy that
+    will never be delivered, its pages held (docs/integration.md, "Closing")."""
     mgr = kvo.OffloadManager(small_config(drain_timeout_s=0.01), backend=backend)
     with pytest.raises(kvo.DrainTimeout):
         async with mgr:
@@ -755,7 +757,7 @@ async def test_f16_drain_timeout_raises_and_frees_nothing_under_the_copy(backend
             lc.extend(toks(4, 8))
             (t,) = backend.pending
     mgr.check_invariants()
-    assert lc.state is OFFLOADING and lc.inflight == 1
+    assert lc.state is FINISHING and lc.aborted and lc.inflight == 1
     assert all(allocated(mgr.device_pool, t.device_pages)) and all(allocated(mgr.host_pool, t.host_pages))
     s = mgr.statistics()
     assert (s.chunks_inflight, s.device_pages_used, s.host_pages_used) == (1, 2, 1)

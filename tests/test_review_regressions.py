@@ -203,8 +203,10 @@ async def test_a_chunk_made_due_while_the_manager_is_closing_is_refused_and_chan
     assert len(outcome) == 2 and isinstance(outcome[0], kvo.KVOffloadError), outcome
     assert outcome[1] is True
     assert backend.pending == [] and lc.inflight == 0 and lc.committed == 4
-    lc.finish()
-    assert lc.state is RELEASED
+    # Live at close with nothing in flight: aborted and released by the close (v2).
+    assert lc.state is RELEASED and lc.outcome is kvo.Outcome.ABORTED
+    with pytest.raises(kvo.InvalidTransition):
+        lc.finish()
 
 
 async def _close_with_a_copy_in_flight(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvoffload.manager import OffloadManager
+    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["TransitionRecord", "capture_transitions"]
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from kvoffload.manager import OffloadManager
+    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["ManagerHost"]
 

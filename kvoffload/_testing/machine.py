@@ -25,7 +25,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.errors import InvalidTransition, PoolExhausted
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
-from kvoffload.manager import OffloadManager
+from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["LifecycleMachine"]
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
     from kvoffload.lifecycle.core import Lifecycle
-    from kvoffload.manager import OffloadManager
+    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["KV_SHAPE", "CheckedSimBackend", "Observer", "reference_keys"]
 
@@ -186,11 +186,11 @@ class Observer:
         self.seen.add(name if name != "lifecycle.transition" else f"{fields['trigger']}: {fields['to']}")
         lid: Any = fields.get("lifecycle")
         if name == "lifecycle.admitted":
-            lc = self.mgr._live[lid]
+            lc = self.mgr.core.live[lid]
             self.lcs[lid] = _LcModel(lid, lc.rid, weakref.ref(lc))
         elif name == "lifecycle.transition":
             m = self.lcs[lid]
-            live = self.mgr._live.get(lid)
+            live = self.mgr.core.live.get(lid)
             copying = live is not None and live.inflight > 0
             deferred = live is not None and live.deferred
             m.log.append((fields["trigger"], fields["from"], fields["to"], copying, deferred))

@@ -18,7 +18,7 @@ from kvoffload.errors import PoolExhausted
 if TYPE_CHECKING:
     from kvoffload.backends.sim import SimBackend
     from kvoffload.lifecycle.core import Lifecycle
-    from kvoffload.manager import OffloadManager
+    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["Request", "Schedule", "Step", "completion_orders", "request_streams", "run_schedule", "schedules"]
 

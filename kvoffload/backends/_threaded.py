@@ -3,9 +3,9 @@
 Both backends do their blocking work (a torch copy; waiting on a CUDA event) on one
 thread per copy stream and hand completions back to the event loop the same way:
 
-- :class:`CompletionInbox` - worker threads ``post()`` completions under a lock; the
-  loop is woken with **one** ``call_soon_threadsafe`` per wake-up (only when no wake-up
-  is already scheduled), and ``wait()`` returns everything posted so far as one batch.
+- :class:`CompletionInbox` - worker threads ``post()`` completions under a lock; a
+  waiting driver is woken with **one** waker call per wake-up (only when no wake-up is
+  outstanding), and takes everything posted so far as one batch without blocking.
 - :class:`StreamWorker` - a thread with a FIFO of in-flight items. It finishes the head
   (blocking, off the loop), then takes every following item that is already done
   without blocking, and posts them as one batch: per-stream order is submission order.
@@ -19,6 +19,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,76 +92,115 @@ class CopyHooks:
 
 
 class CompletionInbox:
-    """Completions handed from stream threads to the event loop, in batches.
+    """Completions handed from stream threads (or the sim backend) to the driver.
 
-    ``bind()`` on the loop thread first; ``post()`` from any thread; ``wait()`` from the
-    loop's one delivery task.
+    ``post()`` from any thread; ``take_nowait()`` on the owner thread. A waiting driver
+    is told with its waker, called **once** per wake-up (only when no wake-up is
+    outstanding: the next ``take_nowait()`` that empties the inbox ends it); a blocking
+    waiter (the sync driver's ``quiesce``) waits on the condition.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # _ready: posted, not yet returned by wait(); guarded by _lock.
+        self._cond = threading.Condition(self._lock)
+        # _ready: posted, not yet taken; guarded by _lock (read without it only for emptiness).
         self._ready: deque[Completion] = deque()
-        # _scheduled: a wake-up is queued on the loop and has not run yet (guarded by _lock).
-        # Invariant: self._ready and not self._scheduled -> the loop is running wait() or
-        # will find _ready non-empty before it awaits (no completion is ever stranded).
+        # _scheduled: the waker was called and the inbox was not emptied since (guarded by _lock).
+        # Invariant: self._ready and self._waker and not self._scheduled -> the driver is
+        # taking now or will find _ready non-empty before it waits (nothing is stranded).
         self._scheduled = False
         # _signalled: completions ever posted (monotonic); written under _lock.
         self._signalled = 0
+        self._waker: Callable[[], Any] | None = None
         self._event: anyio.Event | None = None
-        self._call_soon: Callable[[Callable[[], Any]], Any] | None = None
-        self.wakeups = 0  # loop wake-ups scheduled (for benchmarks and tests)
+        self.wakeups = 0  # waker calls (for benchmarks and tests)
+
+    def set_waker(self, waker: Callable[[], Any] | None) -> None:
+        """``waker()`` is called (any thread) when completions arrive and none is outstanding."""
+        with self._lock:
+            self._waker = waker
+            self._scheduled = False
+        if waker is not None and self._ready:
+            self._poke()
 
     def bind(self) -> None:
-        """Remember the running asyncio loop. Call on the loop thread (``open``)."""
+        """Wake :meth:`wait` on the running asyncio loop (call on the loop thread)."""
         import asyncio
 
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise BackendError(
-                "the cpu/cuda backends hand completions to a running asyncio loop; "
-                "open the manager inside asyncio (anyio on its asyncio backend)"
-            ) from None
-        self._call_soon = loop.call_soon_threadsafe
+            raise BackendError("CompletionInbox.bind() needs a running asyncio loop") from None
+        self.set_waker(lambda: loop.call_soon_threadsafe(self._wake))
 
     @property
     def signalled(self) -> int:
         return self._signalled
 
+    @property
+    def ready(self) -> int:
+        """Completions posted and not yet taken."""
+        return len(self._ready)
+
     def post(self, batch: list[Completion]) -> None:
-        """Hand ``batch`` to the loop (any thread). Wakes the loop at most once per wake-up."""
+        """Hand ``batch`` over (any thread). Calls the waker at most once per wake-up."""
         with self._lock:
             self._ready.extend(batch)
             self._signalled += len(batch)
-            if self._scheduled or self._call_soon is None:
+            self._cond.notify_all()
+            if self._scheduled or self._waker is None:
                 return
             self._scheduled = True
             self.wakeups += 1
+            waker = self._waker
+        self._call(waker)
+
+    def _poke(self) -> None:
+        with self._lock:
+            if self._scheduled or self._waker is None:
+                return
+            self._scheduled = True
+            self.wakeups += 1
+            waker = self._waker
+        self._call(waker)
+
+    def _call(self, waker: Callable[[], Any]) -> None:
         try:
-            self._call_soon(self._wake)
+            waker()
         except RuntimeError:  # the loop is closed; nobody is left to wake
             with self._lock:
                 self._scheduled = False
 
     def _wake(self) -> None:
-        """Runs on the loop thread."""
-        with self._lock:
-            self._scheduled = False
         ev = self._event
         if ev is not None:
             self._event = None
             ev.set()
 
-    def take_nowait(self) -> list[Completion]:
-        """Everything posted and not yet taken (may be empty). Loop thread."""
+    def take_nowait(self, max_completions: int | None = None) -> list[Completion]:
+        """Up to ``max_completions`` (all by default) of what was posted, oldest first."""
+        if not self._ready:
+            return []
         with self._lock:
-            batch = list(self._ready)
-            self._ready.clear()
+            ready = self._ready
+            if max_completions is None or max_completions >= len(ready):
+                batch = list(ready)
+                ready.clear()
+            else:
+                batch = [ready.popleft() for _ in range(max(0, max_completions))]
+            if not ready:
+                self._scheduled = False
         return batch
 
+    def wait_ready(self, timeout: float | None) -> bool:
+        """Block until something is posted or ``timeout`` passed; whether something is ready."""
+        with self._cond:
+            if not self._ready:
+                self._cond.wait(timeout)
+            return bool(self._ready)
+
     async def wait(self) -> list[Completion]:
-        """Wait until at least one completion was posted; return all of them, in order."""
+        """Wait (asyncio) until at least one completion was posted; return all of them."""
         while True:
             batch = self.take_nowait()
             if batch:
@@ -210,6 +250,11 @@ class StreamWorker(threading.Thread, Generic[_Item]):
     def queued(self) -> int:
         """Items submitted and not yet posted."""
         return len(self._queue)
+
+    def transfers(self) -> list[Transfer]:
+        """The transfers of the items queued (any thread; a snapshot)."""
+        with self._cv:
+            return [self.transfer_of(i) for i in self._queue]
 
     def finish(self, item: _Item) -> Completion:
         raise NotImplementedError
@@ -280,8 +325,9 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
     """An event backend whose copies are tracked by one :class:`StreamWorker` per stream.
 
     Subclasses give ``_make_worker(i)`` and ``_start(transfer, worker)`` (start the copy,
-    or only queue it, without blocking; return the item to queue). Everything the loop
-    sees - ``submit``, ``wait_completions``, ``signalled``, ``aclose`` - is here.
+    or only queue it, without blocking; return the item to queue). ``submit`` only
+    checks and stages a transfer; ``launch`` starts what was staged (F19). Everything
+    the driver sees - submit, launch, take, close, join - is here.
     """
 
     def __init__(self, streams: int = 1) -> None:
@@ -290,8 +336,10 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
         self._n_streams = streams
         self.inbox = CompletionInbox()
         self.hooks = CopyHooks()
-        # _workers: one per stream, started by open(); empty before open and after aclose.
+        # _workers: one per stream, started by open(); kept after close for join().
         self._workers: list[StreamWorker[_Item]] = []
+        # _staged: accepted, not yet launched, in submission order (owner thread only).
+        self._staged: list[Transfer] = []
         self._device: DevicePool | None = None
         self._host: HostPool | None = None
         self._closed = False
@@ -309,30 +357,57 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
     def _start(self, transfer: Transfer, worker: StreamWorker[_Item]) -> _Item:
         raise NotImplementedError
 
+    def _accept(self, transfer: Transfer) -> None:
+        """Backend-specific work at submit, on the owner thread (cuda: note the stream)."""
+
     def open(self, device: DevicePool, host: HostPool) -> None:
-        """Bind the pools and the running loop; start one thread per stream (loop thread)."""
+        """Bind the pools; start one thread per stream (owner thread)."""
         if self._workers or self._closed:
             raise BackendError(f"{self.name} backend opened twice")
-        self.inbox.bind()
         self._device, self._host = device, host
         self._workers = [self._make_worker(i) for i in range(self._n_streams)]
         if self._run_threads:
             for w in self._workers:
                 w.start()
 
-    def submit(self, transfer: Transfer) -> None:
-        """Start ``transfer``'s copy on its stream and return at once.
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self.inbox.set_waker(waker)
 
-        Raises :class:`~kvoffload.BackendError` (nothing started) when closed, not open,
+    def submit(self, transfer: Transfer) -> None:
+        """Accept ``transfer`` (no page is read until :meth:`launch`); return at once.
+
+        Raises :class:`~kvoffload.BackendError` (nothing queued) when closed, not open,
         or when the transfer names pages or a stream this backend does not have.
         """
         if self._closed or not self._workers:
             raise BackendError(f"{self.name} backend is {'closed' if self._closed else 'not open'}")
         assert self._device is not None and self._host is not None
         transfer.check_fits(self._device.n_pages, self._host.n_pages, self._n_streams)
-        worker = self._workers[transfer.stream]
-        worker.put(self._start(transfer, worker))
+        self._accept(transfer)
+        self._staged.append(transfer)
         self.submitted += 1
+
+    def launch(self) -> None:
+        """Start every staged copy on its stream. A copy that cannot start fails alone."""
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        for t in staged:
+            worker = self._workers[t.stream]
+            try:
+                worker.put(self._start(t, worker))
+            except Exception as e:  # a launch refused (F20): this transfer fails, the rest go on
+                self.inbox.post([(t, e if isinstance(e, BackendError) else BackendError(repr(e)))])
+
+    def take_completions(self, max_completions: int | None = None) -> list[Completion]:
+        return self.inbox.take_nowait(max_completions)
+
+    @property
+    def ready(self) -> int:
+        return self.inbox.ready
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        return self.inbox.wait_ready(timeout)
 
     @property
     def signalled(self) -> int:
@@ -340,22 +415,28 @@ class ThreadedBackend(EventBackend, Generic[_Item]):
 
     @property
     def inflight(self) -> int:
-        """Transfers submitted whose completion was not yet posted."""
-        return sum(w.queued for w in self._workers)
+        """Transfers accepted whose completion was not yet posted."""
+        return len(self._staged) + sum(w.queued for w in self._workers)
 
-    async def wait_completions(self) -> list[Completion]:
-        return await self.inbox.wait()
+    def running(self) -> list[Transfer]:
+        out = list(self._staged)
+        for w in self._workers:
+            out += w.transfers()
+        return out
 
-    async def aclose(self) -> None:
-        """Refuse new copies, let every stream finish what it has, and join its thread:
-        returns once no copy runs (F16), also when the caller is being cancelled (the
-        cancellation comes out after the join). Completions posted meanwhile stay
-        available."""
+    def close(self) -> None:
+        """Refuse new copies; launch what was staged; every stream finishes what it has
+        and its thread exits. Never blocks."""
+        if not self._closed:
+            self.launch()
         self._closed = True
-        workers, self._workers = self._workers, []
-        for w in workers:
+        for w in self._workers:
             w.close()
-        for w in workers:
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds for every stream thread to exit (no copy runs)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._workers:
             if w.is_alive():
-                with anyio.CancelScope(shield=True):  # run_sync's first checkpoint would raise
-                    await anyio.to_thread.run_sync(w.join, abandon_on_cancel=False)
+                w.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(w.is_alive() for w in self._workers)

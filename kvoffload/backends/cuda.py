@@ -1,10 +1,12 @@
 """The cuda backend: copies on side streams, completion from one event per submission.
 
-``submit`` (loop thread, never blocks):
+``submit`` (owner thread, never blocks) notes what the copy must wait for: the
+transfer's ``ready`` (a ``torch.cuda.Event`` or ``Stream`` the engine passed with
+``extend(..., ready=)``), else an event recorded at submit on the stream current then
+(F17, F26). ``launch`` (the driver's next turn, F19) then, per transfer:
 
-1. the stream's side stream first waits on the compute stream - an event recorded on
-   the current stream at submit - so the copy never reads KV the model is still
-   writing (F17);
+1. the stream's side stream waits on that event or stream, so the copy never reads KV
+   the model is still writing;
 2. the copy is queued on the side stream: one device->host copy per run of
    consecutive host pages; scattered device pages are first gathered on the device by
    one ``index_select`` per submission, so a submission is a few large copies into
@@ -17,8 +19,9 @@ takes the oldest in-flight submission; ``query()`` first (fast path), else
 ``synchronize()`` on a blocking-sync event (the thread sleeps in the driver, the loop
 never waits); then it takes every following submission whose event already completed
 and posts the whole batch to the loop with one ``call_soon_threadsafe``.
-``completion="poll"`` is the fallback: no threads; the delivery task queries the heads
-and sleeps with backoff (20 µs doubling to 1 ms) while nothing completed. Neither uses
+``completion="poll"`` is the fallback: no threads; ``take_completions`` queries the
+heads (a waiting driver sleeps with backoff, 20 µs doubling to 1 ms, while nothing
+completed). Neither uses
 host-function callbacks or ``to_thread(event.synchronize)`` per event.
 
 Importing this module does not import torch; the stream and event logic
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import anyio
 
-from kvoffload.abc import Completion, Transfer
+from kvoffload.abc import Completion, EventBackend, Transfer
 from kvoffload.backends._threaded import (
     CompletionInbox,
     CopyHooks,
@@ -49,7 +52,7 @@ from kvoffload.pools import DevicePool, HostPool
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
 
-__all__ = ["CudaBackend", "EventStream", "InFlight", "poll_completions"]
+__all__ = ["CudaBackend", "EventStream", "InFlight", "order_after", "poll_completions"]
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
@@ -142,6 +145,22 @@ async def poll_completions(streams: Sequence[EventStream], inbox: CompletionInbo
         delay = min(delay * 2, _POLL_MAX_S)
 
 
+def order_after(side: Any, ready: Any) -> None:
+    """Make ``side`` (a stream) wait for ``ready``: an event (``wait_event``) or a stream
+    (``wait_stream``). Duck-typed, so the ordering logic is tested on the CPU with fakes."""
+    if ready is None:
+        return
+    if hasattr(ready, "record") and hasattr(ready, "query") and not hasattr(ready, "wait_stream"):
+        side.wait_event(ready)
+    elif hasattr(ready, "wait_stream") or hasattr(ready, "record_event"):
+        side.wait_stream(ready)
+    else:
+        raise BackendError(
+            f"ready={ready!r} is neither a torch.cuda.Event nor a torch.cuda.Stream; pass what the "
+            "copy must wait for (the event recorded after the forward pass, or its stream)"
+        )
+
+
 class _EventPool:
     """Blocking-sync CUDA events; one is handed out per submission (loop thread) and
     returned by the stream after its completion was consumed (any thread)."""
@@ -211,8 +230,19 @@ class CudaBackend(ThreadedBackend[InFlight]):
         name = f"kvoffload.cuda-wait-{index}"
         return EventStream(name, self.inbox, self.hooks, self._events.put, stream, self._run_threads)
 
+    def _accept(self, transfer: Transfer) -> None:
+        """With no ``ready`` from the engine, the copy waits for what the stream current
+        at this call (``extend``) had queued: an event recorded on it now (F17)."""
+        ready = transfer.ready
+        if ready is None:
+            ev = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(self._torch.cuda.current_stream(self.device))
+            transfer.ready = ev
+        elif not (hasattr(ready, "query") or hasattr(ready, "wait_stream")):
+            raise BackendError(f"{transfer!r}: ready={ready!r} is neither a torch.cuda.Event nor a Stream")
+
     def _start(self, transfer: Transfer, worker: StreamWorker[InFlight]) -> InFlight:
-        """Queue ``transfer``'s copy on the side stream after the compute stream's work."""
+        """Queue ``transfer``'s copy on the side stream after what it must wait for."""
         torch = self._torch
         assert isinstance(worker, EventStream) and self._device is not None and self._host is not None
         side = worker.stream
@@ -220,7 +250,7 @@ class CudaBackend(ThreadedBackend[InFlight]):
         runs = plan_runs(transfer.device_pages, transfer.host_pages)
         keep: list[Any] = []
         try:
-            side.wait_stream(torch.cuda.current_stream(self.device))  # F17
+            order_after(side, transfer.ready)  # F17, F26
             with torch.cuda.stream(side):
                 if len(runs) <= _DIRECT_RUNS_MAX and all(r.device_start is not None for r in runs):
                     for r in runs:
@@ -249,6 +279,29 @@ class CudaBackend(ThreadedBackend[InFlight]):
             raise BackendError(f"{transfer!r}: could not start the copy: {e!r}") from e
         return InFlight(transfer, event, keep)
 
+    @property
+    def needs_polling(self) -> bool:  # type: ignore[override]
+        return self.completion == "poll"
+
+    def take_completions(self, max_completions: int | None = None) -> list[Completion]:
+        if self.completion == "poll":
+            self.take_ready_nowait()
+        return super().take_completions(max_completions)
+
+    def take_ready_nowait(self) -> bool:
+        """Poll mode: query every stream's heads and post what completed."""
+        if self.completion == "poll":
+            for s in self._streams():
+                batch = s.take_done()
+                if batch:
+                    self.inbox.post(batch)
+        return bool(self.inbox.ready)
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        if self.completion == "poll":
+            return EventBackend.wait_ready(self, timeout)  # sleep-poll: no thread posts here
+        return super().wait_ready(timeout)
+
     async def wait_completions(self) -> list[Completion]:
         if self.completion == "poll":
             return await poll_completions(self._streams(), self.inbox)
@@ -257,18 +310,19 @@ class CudaBackend(ThreadedBackend[InFlight]):
     def _streams(self) -> list[EventStream]:
         return [w for w in self._workers if isinstance(w, EventStream)]
 
-    async def aclose(self) -> None:
+    def join(self, timeout: float | None = None) -> bool:
         """Waiter mode: the threads drain and exit. Poll mode: poll until every stream is
-        empty. Either way, returns once no copy runs."""
+        empty, at most ``timeout`` seconds. Returns whether no copy runs."""
         if self.completion == "poll":
-            self._closed = True
+            import time
+
+            deadline = None if timeout is None else time.monotonic() + timeout
             streams = self._streams()
-            # Shielded like the threads' join: a cancelled closer still waits for the copies.
-            with anyio.CancelScope(shield=True):
-                while any(s.queued for s in streams):
-                    for s in streams:
-                        batch = s.take_done()
-                        if batch:
-                            self.inbox.post(batch)
-                    await anyio.sleep(_POLL_MAX_S)
-        await super().aclose()
+            while any(s.queued for s in streams):
+                self.take_ready_nowait()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(_POLL_MAX_S)
+            return True
+        return super().join(timeout)
+

@@ -3,17 +3,17 @@
 ``complete(t)`` moves the bytes from ``t``'s device pages to its host pages *at that
 moment*, so a device page freed (and rewritten) too early shows up as wrong data in
 the host page; ``fail(t, error)`` reports a failed copy. Completions may be signalled
-in any order. Everything runs on the event loop thread.
+in any order. Everything runs on the owner thread; ``launch`` has nothing to start (a
+copy reads when the test completes it).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import anyio
-
 from kvoffload.abc import Completion, EventBackend, Transfer
+from kvoffload.backends._threaded import CompletionInbox
 from kvoffload.errors import BackendError
 from kvoffload.pools import DevicePool, HostPool
 
@@ -32,9 +32,7 @@ class SimBackend(EventBackend):
     def __init__(self) -> None:
         # pending: submitted transfers not yet completed or failed, in submission order.
         self.pending: list[Transfer] = []
-        self._ready: deque[Completion] = deque()
-        self._ready_ev: anyio.Event | None = None
-        self._signalled = 0
+        self.inbox = CompletionInbox()
         self._device: DevicePool | None = None
         self._host: HostPool | None = None
         self._closed = False
@@ -90,25 +88,28 @@ class SimBackend(EventBackend):
             self.complete(t)
 
     def _signal(self, completion: Completion) -> None:
-        self._ready.append(completion)
-        self._signalled += 1
-        ev = self._ready_ev
-        if ev is not None:
-            self._ready_ev = None
-            ev.set()
+        self.inbox.post([completion])
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self.inbox.set_waker(waker)
+
+    def take_completions(self, max_completions: int | None = None) -> list[Completion]:
+        return self.inbox.take_nowait(max_completions)
+
+    @property
+    def ready(self) -> int:
+        return self.inbox.ready
 
     @property
     def signalled(self) -> int:
-        return self._signalled
+        return self.inbox.signalled
 
-    async def wait_completions(self) -> list[Completion]:
-        while not self._ready:
-            if self._ready_ev is None:
-                self._ready_ev = anyio.Event()
-            await self._ready_ev.wait()
-        batch = list(self._ready)
-        self._ready.clear()
-        return batch
+    def wait_ready(self, timeout: float | None) -> bool:
+        """Nothing completes by itself here: waits only for another thread's ``complete``."""
+        return self.inbox.wait_ready(timeout)
 
-    async def aclose(self) -> None:
+    def running(self) -> list[Transfer]:
+        return list(self.pending)
+
+    def close(self) -> None:
         self._closed = True

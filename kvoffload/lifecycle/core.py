@@ -1,28 +1,31 @@
 """Lifecycle objects: one per admitted request, driven by the compiled table.
 
-A :class:`Lifecycle` is a small ``__slots__`` object (about 50 bytes of state plus
-its page list). It holds its manager; the manager holds it only while it is live,
+A :class:`Lifecycle` is a small ``__slots__`` object. It holds its core and its driver
+(through the :class:`LifecycleHost` protocol declared here, so the arrow still points
+down: the lifecycle never imports a driver); the core holds it only while it is live,
 so once RELEASED and dropped by the caller it is garbage (FAILURES F2).
+
+Every method checks that it runs on the owner thread (the driver's: the event loop's
+thread, or the thread that opened the sync manager) before it changes anything (F24).
 """
 
 from __future__ import annotations
 
+from _thread import get_ident
 from array import array
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NewType
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, NewType, Protocol
 
-import anyio
-
-from kvoffload._events import STRUCTLOG, debug_enabled
-from kvoffload.errors import KVOffloadError
+from kvoffload.core.events import STRUCTLOG, debug_enabled
+from kvoffload.errors import WrongThread
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
 
 if TYPE_CHECKING:
-    from kvoffload.manager import OffloadManager
+    from kvoffload.core.offload import OffloadCore
 
-__all__ = ["STATES", "Lifecycle", "LifecycleId"]
+__all__ = ["STATES", "Lifecycle", "LifecycleHost", "LifecycleId", "Waker", "wrong_thread"]
 
 LifecycleId = NewType("LifecycleId", int)
 
@@ -36,12 +39,55 @@ _EXTEND_SELF_LOOP: tuple[bool, ...] = tuple(
 )
 
 
+class Waker(Protocol):
+    """What the core sets when a lifecycle a driver waits on changes (an ``anyio.Event``,
+    a ``threading.Event``): the core only calls ``set()``."""
+
+    def set(self) -> None: ...
+
+
+class LifecycleHost(Protocol):
+    """What a lifecycle asks of the driver that admitted it (both drivers implement it).
+
+    Each method is called on the owner thread, after the owner check; each applies the
+    event through the core and then does the driver's part (starting copies on the next
+    turn, calling ``on_released``).
+    """
+
+    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None: ...
+
+    def finish_lifecycle(self, lc: Lifecycle) -> None: ...
+
+    def abort_lifecycle(self, lc: Lifecycle) -> None: ...
+
+    def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]: ...
+
+
+def wrong_thread(owner: int, what: str) -> WrongThread:
+    """The error for a call from a thread other than ``owner`` (names both threads)."""
+    import threading
+
+    def name(ident: int) -> str:
+        for t in threading.enumerate():
+            if t.ident == ident:
+                return f"{t.name!r} (ident {ident})"
+        return f"ident {ident}"
+
+    return WrongThread(
+        f"{what} was called from thread {name(get_ident())}, but this manager is owned by thread "
+        f"{name(owner)}: every call must come from the owner thread (the event loop's thread, or the "
+        "thread that opened the SyncOffloadManager); nothing was changed"
+    )
+
+
 class Lifecycle:
     """The offload lifecycle of one admitted request.
 
-    Created by :meth:`OffloadManager.admit`; never constructed directly. Every method
-    is called from the event loop thread. ``extend``, ``finish`` and ``abort`` are
-    synchronous, run-to-completion steps; waiting is ``await wait_*()``.
+    Created by ``admit`` on a manager; never constructed directly. Every method is
+    called from the owner thread (else :class:`~kvoffload.WrongThread`, nothing
+    changed). ``extend``, ``finish`` and ``abort`` are synchronous, run-to-completion
+    steps; waiting is ``await wait_*()`` (asyncio manager) or the sync manager's
+    ``wait_released(lc)`` / ``quiesce()``.
 
     Illegal events raise :class:`~kvoffload.InvalidTransition` and change nothing.
     """
@@ -50,10 +96,12 @@ class Lifecycle:
         "__weakref__",
         "_aborted",
         "_cap",
+        "_core",
         "_deferred_since",
         "_failed",
+        "_host",
         "_log",
-        "_mgr",
+        "_owner",
         "_quiet_ev",
         "_released_ev",
         "_s",
@@ -68,31 +116,41 @@ class Lifecycle:
         "rid",
         "state_since",
         "submitted",
+        "tag",
     )
 
-    # id: unique for the manager's life; never reused (request ids may be).
+    # id: unique for the core's life; never reused (request ids may be).
     # rid: the caller's request id; a label for logs and metrics only.
-    # _s: index of the current state in STATES; changed only by OffloadManager._fire.
+    # tag: the engine's handle (e.g. its Req); carried, never read by kvoffload.
+    # _s: index of the current state in STATES; changed only by OffloadCore._fire.
     # committed: tokens whose KV is in device pages (prompt + extends).
-    # submitted: tokens covered by submitted chunks or by the prefill side; page-aligned.
+    # submitted: tokens covered by submitted chunks, or already stored; page-aligned.
     # Invariant: 0 <= self.submitted <= self.committed and self.submitted % page_size == 0
     # _tail: token ids committed[submitted:], kept to compute keys at submit time (F11).
     # Invariant: len(self._tail) == self.committed - self.submitted
-    # chain_key: key of the page that ends at `submitted` (None before the first page).
+    # chain_key: key of the page that ends at `submitted` (the chain seed before the first page).
     # due: `committed` at which the next chunk is due (a stride past the last attempt).
     # device_pages: the device pages holding this request's KV, in token order.
-    # _cap: tokens the device pages can hold; changed only where device pages are allocated.
+    # _cap: tokens the device pages can hold; changed only where device pages are added.
     # Invariant: self._cap == len(self.device_pages) * page_size
     # Invariant: len(self.device_pages) == ceil(self.committed / page_size) while live; [] once RELEASED
     # inflight: chunks submitted and not yet delivered.
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
     # _deferred_since: clock time a chunk started waiting for host pages, else None.
     # outcome: None until RELEASED, then how it ended.
+    # _owner: the owner thread's ident; every method checks it first (F24).
+    # _released_ev / _quiet_ev: a driver's Waker, set by the core when the lifecycle is
+    #   RELEASED / quiescent; None when nobody waits.
 
-    def __init__(self, mgr: OffloadManager, lid: LifecycleId, rid: Any, now: float) -> None:
-        self._mgr = mgr
+    def __init__(
+        self, core: OffloadCore, host: LifecycleHost, lid: LifecycleId, rid: Any, now: float, owner: int
+    ) -> None:
+        self._core = core
+        self._host = host
+        self._owner = owner
         self.id = lid
         self.rid = rid
+        self.tag: Any = None
         self._s = 0  # PENDING
         self.committed = 0
         self.submitted = 0
@@ -107,8 +165,8 @@ class Lifecycle:
         self._aborted = False
         self.outcome: Outcome | None = None
         self.state_since = now
-        self._released_ev: anyio.Event | None = None
-        self._quiet_ev: anyio.Event | None = None
+        self._released_ev: Waker | None = None
+        self._quiet_ev: Waker | None = None
         self._log: Any = None
 
     # --- reading -------------------------------------------------------------------
@@ -139,24 +197,30 @@ class Lifecycle:
         return self.inflight == 0 and self._deferred_since is None
 
     @property
-    def manager(self) -> OffloadManager:
-        """The manager that admitted this lifecycle."""
-        return self._mgr
+    def manager(self) -> Any:
+        """The manager (driver) that admitted this lifecycle."""
+        return self._host
 
     # --- events (sync, run to completion) ------------------------------------------
 
-    def extend(self, tokens: Sequence[int]) -> None:
+    def extend(self, tokens: Sequence[int], *, pages: Sequence[int] | None = None, ready: Any = None) -> None:
         """Commit ``tokens`` (their KV is now in device pages); submit a chunk when a
         stride is due.
 
-        Legal in PENDING and OFFLOADING. Allocates device pages for the new tokens
-        first: a full device pool raises :class:`~kvoffload.PoolExhausted` and
-        changes nothing. Never blocks: a full host pool drops (or defers) the chunk.
+        Legal in PENDING and OFFLOADING. Owned mode: allocates device pages for the new
+        tokens first (a full device pool raises :class:`~kvoffload.PoolExhausted` and
+        changes nothing). Engine-owned mode: ``pages`` are the engine's ids of exactly
+        the new pages these tokens start. ``ready`` is what the copy must wait for on a
+        GPU. Never blocks: a full host pool drops (or defers) the chunk. A chunk made
+        due here is submitted at once, but no copy reads a page before control returns
+        to the driver (F19).
         """
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.extend()")
         # Fast path, the common decode step: a list of valid token ids, in a state where
         # extend is a pure self-loop (from the compiled table), no new page, no chunk due.
-        # Everything else - errors included - goes through the manager's full path.
-        if type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
+        # Everything else - errors included - goes through the full path.
+        if pages is None and ready is None and type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
             tail = self._tail
             n0 = len(tail)
             committed = self.committed + len(tokens)
@@ -167,65 +231,68 @@ class Lifecycle:
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
                     self.committed = committed
-                    mgr = self._mgr
-                    if mgr._listeners or (STRUCTLOG.is_configured and debug_enabled()):
-                        mgr._emit_transition(self, self._s, self._s, _EXTEND)
+                    core = self._core
+                    if core.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                        core.emit_transition(self, self._s, self._s, _EXTEND)
                     return
-        self._mgr._extend(self, tokens)
+        self._host.extend_lifecycle(self, tokens, pages, ready)
 
     def finish(self) -> None:
         """The request finished decoding: flush the page-aligned remainder (F12), then
         go to FINISHING until the last in-flight chunk completes, or straight to
         RELEASED when nothing is in flight. Legal in PENDING and OFFLOADING."""
-        self._mgr._finish(self)
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.finish()")
+        self._host.finish_lifecycle(self)
 
     def abort(self) -> None:
         """Stop offloading: no new chunks; in-flight ones are discarded when they
         complete (host pages freed, nothing stored); RELEASED with outcome ABORTED
         after the last one. Legal in every live state."""
-        self._mgr._abort(self)
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.abort()")
+        self._host.abort_lifecycle(self)
 
-    # --- waiting ---------------------------------------------------------------------
+    # --- waiting (asyncio manager) ---------------------------------------------------
 
     async def wait_released(self) -> None:
         """Wait until RELEASED (device pages returned). Returns at once if already.
         Raises :class:`~kvoffload.KVOffloadError` when the manager is closed and a chunk
-        of this lifecycle is still in flight or deferred: nothing will finish it."""
-        while self._s != 3:
-            self._check_open()
-            if self._released_ev is None:
-                self._released_ev = anyio.Event()
-            await self._released_ev.wait()
+        of this lifecycle is still in flight or deferred: nothing will finish it. On a
+        :class:`~kvoffload.SyncOffloadManager`'s lifecycle, use ``mgr.wait_released(lc)``."""
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.wait_released()")
+        if self._s != 3:
+            await self._host.wait_lifecycle(self, True)
 
     async def wait_quiescent(self) -> None:
         """The barrier of every path that wants this request's device pages back
         (retraction, preemption): wait until no chunk is in flight or waiting for
         host pages. Returns at once if already quiescent (FAILURES F6). Raises like
         :meth:`wait_released` on a closed manager."""
-        while not self.quiescent:
-            self._check_open()
-            if self._quiet_ev is None:
-                self._quiet_ev = anyio.Event()
-            await self._quiet_ev.wait()
-
-    def _check_open(self) -> None:
-        if self._mgr._closed and not self.quiescent:
-            raise KVOffloadError(f"{self!r}: the manager is closed; its chunk in flight will never complete")
-
-    def _wake(self) -> None:
-        """Wake every waiter (the manager closed): each looks again and raises or returns."""
-        for ev in (self._released_ev, self._quiet_ev):
-            if ev is not None:
-                ev.set()
-        self._released_ev = self._quiet_ev = None
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.wait_quiescent()")
+        if not self.quiescent:
+            await self._host.wait_lifecycle(self, False)
 
     async def retract(self) -> None:
         """Retraction / preemption: abort (if still live) and wait until RELEASED, so
         the device pages are back in the pool when this returns and no copy reads them."""
+        if get_ident() != self._owner:
+            raise wrong_thread(self._owner, "Lifecycle.retract()")
         if self._s != 3:
             if not self._aborted:
                 self.abort()
             await self.wait_released()
 
+    def wake(self) -> None:
+        """Set every waiter's waker (the manager closed): each looks again and raises or
+        returns. Called by the drivers."""
+        for ev in (self._released_ev, self._quiet_ev):
+            if ev is not None:
+                ev.set()
+        self._released_ev = self._quiet_ev = None
+
     def __repr__(self) -> str:
         return f"<Lifecycle #{self.id} rid={self.rid!r} {STATES[self._s].name} inflight={self.inflight}>"
+

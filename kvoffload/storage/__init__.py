@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from kvoffload._writer import WritePolicy
+from kvoffload.storage.writer import WritePolicy
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError
 

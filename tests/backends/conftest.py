@@ -103,6 +103,7 @@ class Harness:
 
     def _pump(self) -> None:
         b = self.backend
+        b.launch()  # a driver's next turn: submitted copies start (F19)
         if isinstance(b, SimBackend):
             if b.pending:
                 self.started.set()

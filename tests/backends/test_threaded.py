@@ -46,30 +46,37 @@ def _fake_transfer(i: int) -> Any:
     return (i, None)
 
 
-class _Loop:
-    """Records call_soon_threadsafe calls instead of running them."""
-
-    def __init__(self) -> None:
-        self.calls: list[Callable[[], Any]] = []
-
-    def call_soon_threadsafe(self, fn: Callable[[], Any]) -> None:
-        self.calls.append(fn)
-
-
-def test_inbox_wakes_the_loop_once_per_wake_up_not_once_per_completion() -> None:
-    """Posts made while a wake-up is pending schedule nothing more; once the wake-up
-    ran, the next post schedules exactly one."""
+def test_inbox_wakes_the_driver_once_per_wake_up_not_once_per_completion() -> None:
+    """Posts made while a wake-up is outstanding call the waker no more; once the driver
+    took everything, the next post calls it exactly once (nothing is stranded)."""
     inbox = CompletionInbox()
-    loop = _Loop()
-    inbox._call_soon = loop.call_soon_threadsafe
+    calls: list[int] = []
+    inbox.set_waker(lambda: calls.append(1))
     for i in range(3):
         inbox.post([_fake_transfer(i)])
-    assert len(loop.calls) == 1 and inbox.signalled == 3
-    loop.calls[0]()  # the wake-up runs on the loop
-    inbox.post([_fake_transfer(3), _fake_transfer(4)])
-    assert len(loop.calls) == 2 and inbox.signalled == 5
-    assert inbox.take_nowait() == [_fake_transfer(i) for i in range(5)]
+    assert len(calls) == 1 and inbox.signalled == 3 and inbox.ready == 3
+    inbox.post([_fake_transfer(3)])
+    assert len(calls) == 1  # the driver has not taken yet: no second wake-up
+    assert inbox.take_nowait(2) == [_fake_transfer(0), _fake_transfer(1)]
+    inbox.post([_fake_transfer(4)])
+    assert len(calls) == 1  # still outstanding: two completions were left
+    assert inbox.take_nowait() == [_fake_transfer(i) for i in (2, 3, 4)]
+    inbox.post([_fake_transfer(5)])
+    assert len(calls) == 2 and inbox.signalled == 6
+    assert inbox.take_nowait() == [_fake_transfer(5)]
     assert inbox.take_nowait() == []
+
+
+def test_inbox_wait_ready_blocks_until_a_post_from_another_thread() -> None:
+    """The sync driver's wait: it returns as soon as another thread posts, or after
+    its timeout with nothing ready."""
+    inbox = CompletionInbox()
+    assert inbox.wait_ready(0.01) is False
+    t = threading.Timer(0.05, lambda: inbox.post([_fake_transfer(1)]))
+    t.start()
+    assert inbox.wait_ready(20) is True
+    t.join()
+    assert inbox.take_nowait() == [_fake_transfer(1)]
 
 
 @pytest.mark.asyncio
@@ -100,7 +107,7 @@ async def test_inbox_strands_no_completion_under_concurrent_posts() -> None:
 
 
 def test_inbox_outside_asyncio_says_what_it_needs() -> None:
-    """Opening a threaded backend with no running asyncio loop raises BackendError."""
+    """Binding an inbox to the running asyncio loop with none running raises BackendError."""
     with pytest.raises(kvo.BackendError, match="asyncio"):
         CompletionInbox().bind()
 
@@ -159,6 +166,7 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     ts = [Transfer(object(), [p], [p], [], 0, 4, 0.0) for p in range(3)]  # type: ignore[arg-type]
     for t in ts:
         b.submit(t)
+    b.launch()  # submit only accepts; the copies start here (F19)
     got: list[Any] = []
     with anyio.fail_after(20):
         while len(got) < 3:

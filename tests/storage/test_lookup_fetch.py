@@ -7,7 +7,6 @@ import pytest
 from _storage_helpers import device_bytes, fill_device
 
 import kvoffload as kvo
-from kvoffload._lookup import page_keys
 from kvoffload.abc import Storage
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend, manager_in_task
@@ -74,7 +73,7 @@ async def test_a_page_of_the_wrong_size_ends_the_fetch() -> None:
     backend = SimBackend()
     async with manager_in_task(CONFIG, backend=backend, storage=store) as mgr:
         expected = await store_request(mgr, backend, TOKENS)
-        keys = page_keys(TOKENS, 4)
+        keys = kvo.chain_keys(None, TOKENS[: len(TOKENS) - len(TOKENS) % 4], 4)
         await store.put(keys[2:3], [b"short"])
         assert await mgr.fetch(TOKENS, 20) == expected[:2]
 

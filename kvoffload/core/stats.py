@@ -19,7 +19,7 @@ __all__ = ["Counters", "Statistics"]
 
 @dataclass(slots=True)
 class Counters:
-    """Mutable counters, changed only by the manager on the event loop thread."""
+    """Mutable counters, changed only by the core, on its owner thread."""
 
     admitted: int = 0
     chunks_copied: int = 0
@@ -28,13 +28,16 @@ class Counters:
     chunks_dropped: int = 0
     chunks_failed: int = 0
     chunks_inflight: int = 0
+    chunks_refused: int = 0
     chunks_submitted: int = 0
+    completions_delivered: int = 0
     pages_copied: int = 0
     pages_discarded: int = 0
     pages_dropped: int = 0
     pages_failed: int = 0
     pages_in_write: int = 0
     pages_inflight: int = 0
+    pages_refused: int = 0
     pages_not_stored: int = 0
     pages_store_failed: int = 0
     pages_store_retried: int = 0
@@ -57,7 +60,7 @@ class Counters:
 
 @dataclass(frozen=True, slots=True)
 class Statistics:
-    """A snapshot of a manager's state and counters (``OffloadManager.statistics()``)."""
+    """A snapshot of a manager's state and counters (``mgr.statistics()``)."""
 
     live_lifecycles: int
     """Lifecycles admitted and not yet RELEASED."""
@@ -89,12 +92,19 @@ class Statistics:
     """Chunks never submitted because the host pool was full (retried a stride later)."""
     chunks_deferred: int
     """Chunks that had to wait for host pages (``on_host_full="wait"``)."""
+    chunks_refused: int
+    """Chunks the copy backend refused outside a caller's call (a deferred chunk's retry,
+    a tail flushed after the first of its chunks): dropped, counted, retried a stride
+    later while decoding (FAILURES F20). Each is also counted in ``chunks_dropped``."""
+    completions_delivered: int
+    """Completions applied to their lifecycles (what ``poll()`` returns, summed)."""
     pages_inflight: int
     pages_submitted: int
     pages_copied: int
     pages_discarded: int
     pages_failed: int
     pages_dropped: int
+    pages_refused: int
     pages_stored: int
     """Pages written to the storage tier."""
     pages_store_failed: int

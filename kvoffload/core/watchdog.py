@@ -12,18 +12,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload._events import logger
-from kvoffload._flow import notify_listeners
+from kvoffload.core.events import logger, notify_listeners
 from kvoffload.lifecycle.core import LifecycleId
 
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
-    from kvoffload.manager import OffloadManager
+    from kvoffload.core.offload import OffloadCore
 
 __all__ = ["report_stuck", "stuck_lifecycles"]
 
 
-def stuck_lifecycles(mgr: OffloadManager) -> list[tuple[LifecycleId, Transfer, float]]:
+def stuck_lifecycles(mgr: OffloadCore) -> list[tuple[LifecycleId, Transfer, float]]:
     """(lifecycle id, its oldest transfer, that copy's age) for every lifecycle with a
     copy in flight past the deadline. O(chunks in flight)."""
     limit = mgr.config.stuck_after_s
@@ -31,7 +30,7 @@ def stuck_lifecycles(mgr: OffloadManager) -> list[tuple[LifecycleId, Transfer, f
         return []
     now = mgr.clock()
     oldest: dict[LifecycleId, Transfer] = {}
-    for t in mgr._inflight.values():
+    for t in mgr.inflight.values():
         if now - t.submitted_at > limit:
             lid = t.lifecycle.id
             seen = oldest.get(lid)
@@ -40,9 +39,9 @@ def stuck_lifecycles(mgr: OffloadManager) -> list[tuple[LifecycleId, Transfer, f
     return [(lid, t, now - t.submitted_at) for lid, t in oldest.items()]
 
 
-def report_stuck(mgr: OffloadManager) -> None:
+def report_stuck(mgr: OffloadCore) -> None:
     """Log and count every newly stuck copy (each transfer is reported once)."""
-    reported = mgr._stuck_reported
+    reported = mgr.stuck_reported
     for lid, t, age in stuck_lifecycles(mgr):
         if t.id in reported:
             continue
@@ -60,7 +59,7 @@ def report_stuck(mgr: OffloadManager) -> None:
             seconds_in_state=round(mgr.clock() - lc.state_since, 3),
         )
         notify_listeners(
-            mgr._listeners,
+            mgr.listeners,
             "lifecycle.stuck",
             {
                 "lifecycle": lid,
@@ -71,6 +70,6 @@ def report_stuck(mgr: OffloadManager) -> None:
                 "t": mgr.clock(),
             },
         )
-    inflight = mgr._inflight
+    inflight = mgr.inflight
     for tid in [tid for tid in reported if tid not in inflight]:
         reported.discard(tid)  # delivered: forget it

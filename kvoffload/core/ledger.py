@@ -1,4 +1,4 @@
-"""The ledger check behind ``OffloadManager.check_invariants()`` (ARCHITECTURE.md rules 1-6)."""
+"""The ledger check behind ``check_invariants()`` (ARCHITECTURE.md rules 1-6), over the core's state."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from kvoffload.errors import InvariantViolation
 from kvoffload.lifecycle.spec import LifecycleState
 
 if TYPE_CHECKING:
-    from kvoffload.manager import OffloadManager
+    from kvoffload.core.offload import OffloadCore
 
 __all__ = ["check"]
 
 
-def check(mgr: OffloadManager) -> None:
+def check(mgr: OffloadCore) -> None:
     """Raise :class:`InvariantViolation` listing every broken rule."""
     problems: list[str] = []
 
@@ -25,7 +25,7 @@ def check(mgr: OffloadManager) -> None:
     c = mgr.counters
     cfg = mgr.config
     ps = cfg.page_size
-    live = list(mgr._live.values())
+    live = list(mgr.live.values())
     released = c.released_completed + c.released_aborted + c.released_failed
     # Rule 6: admitted = live + released.
     expect(
@@ -58,8 +58,13 @@ def check(mgr: OffloadManager) -> None:
             expect(lc.inflight == 0, lambda: f"{lc!r} is PENDING with {lc.inflight} chunks in flight")
         if lc._s == LifecycleState.OFFLOADING.value:
             expect(lc.inflight > 0, lambda: f"{lc!r} is OFFLOADING with nothing in flight")
+        if lc._s == LifecycleState.FINISHING.value:  # nothing would ever release it (F20)
+            expect(
+                lc.inflight > 0 or lc._deferred_since is not None,
+                lambda: f"{lc!r} is FINISHING with nothing in flight and nothing deferred",
+            )
         if lc._deferred_since is not None:
-            expect(lc in mgr._deferred, lambda: f"{lc!r} is deferred but not queued")
+            expect(lc in mgr.deferred, lambda: f"{lc!r} is deferred but not queued")
         for p in lc.device_pages:
             expect(p not in dev_pages, lambda: f"device page {p} held by two lifecycles")
             dev_pages.add(p)
@@ -69,7 +74,7 @@ def check(mgr: OffloadManager) -> None:
             )
         dev_total += len(lc.device_pages)
         inflight_sum += lc.inflight
-    expect(counts == mgr._state_counts, lambda: f"state counts {mgr._state_counts} != registry {counts}")
+    expect(counts == mgr.state_counts, lambda: f"state counts {mgr.state_counts} != registry {counts}")
     # Rule 2: device pages are held by live lifecycles only, exactly.
     expect(
         mgr.device_pool.used == dev_total,
@@ -77,16 +82,16 @@ def check(mgr: OffloadManager) -> None:
     )
     # Rule 1 and 6: every in-flight transfer belongs to a live lifecycle; counts agree.
     expect(
-        len(mgr._inflight) == c.chunks_inflight == inflight_sum,
+        len(mgr.inflight) == c.chunks_inflight == inflight_sum,
         lambda: (
-            f"in flight: {len(mgr._inflight)} transfers, counter {c.chunks_inflight}, "
+            f"in flight: {len(mgr.inflight)} transfers, counter {c.chunks_inflight}, "
             f"lifecycles {inflight_sum}"
         ),
     )
     host_inflight = 0
-    for t in mgr._inflight.values():
+    for t in mgr.inflight.values():
         expect(t.lifecycle._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
-        expect(t.lifecycle.id in mgr._live, lambda: f"{t!r} in flight for an unregistered lifecycle")
+        expect(t.lifecycle.id in mgr.live, lambda: f"{t!r} in flight for an unregistered lifecycle")
         expect(
             set(t.device_pages) <= set(t.lifecycle.device_pages),
             lambda: f"{t!r} reads device pages its lifecycle does not hold",
@@ -95,7 +100,7 @@ def check(mgr: OffloadManager) -> None:
     expect(
         host_inflight == c.pages_inflight, lambda: f"pages in flight {c.pages_inflight} != {host_inflight}"
     )
-    host_writes = sum(len(t.host_pages) for t in mgr._writes)
+    host_writes = sum(len(j.host_pages) for j in mgr.writes.values())
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
     expect(
@@ -116,7 +121,7 @@ def check(mgr: OffloadManager) -> None:
         lambda: "pages: copied != stored + store_failed + in_write + not_stored",
     )
     expect(
-        all(lc._deferred_since is not None for lc in mgr._deferred),
+        all(lc._deferred_since is not None for lc in mgr.deferred),
         lambda: "a non-deferred lifecycle is queued as deferred",
     )
     try:

@@ -13,12 +13,13 @@ reads while its answer is cached.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "RateLimit", "debug_enabled", "logger"]
+__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "RateLimit", "debug_enabled", "logger", "notify_listeners"]
 
 #: Every event name kvoffload emits (docs/events.md lists them; a test checks).
 EVENT_NAMES: dict[str, str] = {
@@ -30,17 +31,44 @@ EVENT_NAMES: dict[str, str] = {
     "transfer.completed": "a chunk's copy completed and was delivered (debug)",
     "transfer.failed": "a chunk's copy failed (warning)",
     "transfer.discarded": "a chunk completed after its lifecycle was aborted (debug)",
+    "transfer.refused": "the copy backend refused a chunk outside a caller's call (warning, rate-limited)",
     "chunk.dropped": "a chunk found the host pool full and was dropped (warning, rate-limited)",
     "chunk.deferred": "a chunk waits for host pages under on_host_full='wait' (debug)",
     "storage.written": "a chunk's pages were written to the storage tier (debug)",
     "storage.failed": "a storage write failed after its retries (warning, once per burst of failures)",
     "storage.recovered": "the first storage write to succeed after a burst of failures (info)",
     "manager.drain_timeout": "leaving the manager timed out with copies in flight (error)",
-    "manager.closed_live": "the manager was left with lifecycles never finished (warning)",
+    "manager.closed_live": "the manager was closed with lifecycles never finished: they were aborted (warning)",
+    "manager.on_released_failed": "the on_released callback raised; the ledger was already consistent (error)",
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
 }
 
 Listener = Callable[[str, dict[str, Any]], None]
+
+#: Rate limits of ``listener.failed`` lines, by event name.
+_LISTENER_FAILURES: dict[str, RateLimit] = {}
+
+
+def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any]) -> None:
+    """Call every listener with event ``name``. The core calls this in the middle of a
+    synchronous step: a listener that raises is logged (``listener.failed``) and the
+    step goes on, so a listener's bug never leaves the ledger half changed."""
+    for fn in tuple(listeners):  # a listener may remove itself (or another) while called
+        try:
+            fn(name, fields)
+        except Exception as exc:
+            limit = _LISTENER_FAILURES.get(name)
+            if limit is None:
+                limit = _LISTENER_FAILURES[name] = RateLimit()
+            held = limit.due(time.monotonic())
+            if held:  # a listener that fails on every event: a line per event name per interval
+                logger.error(
+                    "listener.failed",
+                    listener=repr(fn),
+                    event_name=name,
+                    error=repr(exc),
+                    failures_since_last_log=held,
+                )
 
 
 class RateLimit:

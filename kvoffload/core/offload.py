@@ -1,0 +1,863 @@
+"""OffloadCore: the bookkeeping of every lifecycle, pure, synchronous and deterministic.
+
+The core is what the property suite proves; the drivers above it only add waiting.
+It imports no anyio, starts no thread, does no I/O and never calls a mover. In:
+calls (``admit``, ``extend``, ``finish``, ``abort``), completions (``complete``), the
+clock (``tick``) and finished storage writes (``write_done``). Out: copy jobs, handed
+to the ``accept`` sink the driver gives it (a mover's submit, which may refuse by
+raising and then nothing changed), storage write jobs (``take_writes``), and the
+lifecycles each call released (its return value).
+
+Every method is a plain ``def`` that runs to completion. Each event goes through the
+compiled table (:mod:`kvoffload.lifecycle.table`); no transition lives only in an
+``if`` chain. The rules of ARCHITECTURE.md hold after every call, and
+:meth:`check_invariants` proves it (``kvoffload.core.ledger``).
+"""
+
+from __future__ import annotations
+
+import time
+from _thread import get_ident
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.abc import Completion, Transfer, WriteJob
+from kvoffload.config import OffloadConfig
+from kvoffload.core.events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger, notify_listeners
+from kvoffload.core.stats import Counters, Statistics
+from kvoffload.errors import InvalidTransition, KVOffloadError
+from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
+from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleHost, LifecycleId
+from kvoffload.lifecycle.spec import LifecycleState, Outcome
+from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE
+
+if TYPE_CHECKING:
+    from kvoffload.pools import DevicePool, HostPool
+
+__all__ = ["OffloadCore"]
+
+_EXTEND = EVENT_INDEX["extend"]
+_SUBMIT = EVENT_INDEX["submit"]
+_DONE = EVENT_INDEX["chunk_done"]
+_FAILED = EVENT_INDEX["chunk_failed"]
+_DROPPED = EVENT_INDEX["chunk_dropped"]
+_FINISH = EVENT_INDEX["finish"]
+_ABORT = EVENT_INDEX["abort"]
+_FINISHING = LifecycleState.FINISHING.value
+_RELEASED = LifecycleState.RELEASED.value
+#: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
+_DONE_ROWS = tuple(row[_DONE] for row in TABLE)
+
+
+class _Burst:
+    """The current run of failed storage writes, for logging once per burst."""
+
+    __slots__ = ("chunks", "last_log", "logged_pages", "pages", "since")
+
+    def __init__(self) -> None:
+        # since: clock time of the burst's first failure; None while the store is healthy.
+        # Invariant: (self.since is None) == (self.chunks == 0)
+        self.since: float | None = None
+        self.chunks = 0
+        self.pages = 0
+        self.last_log = 0.0
+        self.logged_pages = 0  # pages of the burst already reported in a log line
+
+
+class _DirectHost:
+    """The :class:`LifecycleHost` of a core used without a driver (tests, tools):
+    lifecycle events go straight to the core; there is nothing to wait with."""
+
+    def __init__(self, core: OffloadCore) -> None:
+        self.core = core
+
+    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None:
+        self.core.extend(lc, tokens, ready=ready)
+
+    def finish_lifecycle(self, lc: Lifecycle) -> None:
+        self.core.finish(lc)
+
+    def abort_lifecycle(self, lc: Lifecycle) -> None:
+        self.core.abort(lc)
+
+    def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]:
+        raise KVOffloadError(f"{lc!r} belongs to a bare OffloadCore: a driver waits, the core does not")
+
+
+class OffloadCore:
+    """Registry, chunking and keys, host-page accounting, ledger and events.
+
+    ``OffloadCore(config, device_pool=..., host_pool=..., accept=...)``. ``accept(t)``
+    takes each copy job the moment it is due; it may raise to refuse it (a mover that
+    is closed or cannot start a copy), and then nothing changed. ``storage``: whether a
+    storage tier takes copied pages (then their host pages are held until
+    :meth:`write_done`). Called from one thread (the driver's owner thread).
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        accept: Callable[[Transfer], None],
+        clock: Callable[[], float] = time.monotonic,
+        storage: bool = False,
+        streams: int = 1,
+        page_bytes: int = 0,
+        store_log_interval_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.accept = accept
+        self.has_storage = storage
+        self.streams = streams
+        self.page_bytes = page_bytes
+        self.store_log_interval_s = store_log_interval_s
+        # owner: the thread every lifecycle checks its calls against (the driver sets it).
+        self.owner = get_ident()
+        # host: the driver lifecycles call back into (a bare core serves them itself).
+        self.host: LifecycleHost = _DirectHost(self)
+        # live: every lifecycle admitted and not RELEASED, by lifecycle id (never by rid).
+        # Invariant: all(lc._s != RELEASED for lc in self.live.values())
+        self.live: dict[LifecycleId, Lifecycle] = {}
+        self._next_id = 1
+        # state_counts[s]: live lifecycles in state s.
+        # Invariant: self.state_counts[s] == sum(lc._s == s for lc in self.live.values())
+        self.state_counts = [0, 0, 0, 0]
+        # inflight: transfers accepted and not yet delivered, by id.
+        # Invariant: len(self.inflight) == self.counters.chunks_inflight == sum(lc.inflight)
+        self.inflight: dict[int, Transfer] = {}
+        # deferred: lifecycles whose next chunk waits for host pages, FIFO.
+        # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
+        self.deferred: deque[Lifecycle] = deque()
+        # writes: copied chunks whose storage write has not finished (host pages held).
+        # Invariant: sum(len(j.host_pages) for j in self.writes.values()) == counters.pages_in_write
+        self.writes: dict[int, WriteJob] = {}
+        # _write_out: write jobs not yet taken by the driver's writer (a subset of writes).
+        self._write_out: list[WriteJob] = []
+        self.counters = Counters()
+        self.listeners: list[Listener] = []
+        # closing: no copy may start (nothing would deliver it); set once by close().
+        self.closing = False
+        # _released: lifecycles released by the current call, returned by it.
+        self._released: list[Lifecycle] = []
+        # stuck_reported: ids of in-flight transfers the watchdog reported (F18).
+        self.stuck_reported: set[int] = set()
+        # Rate limits of the warnings that come in bursts (F9: no log line every step).
+        self._drop_log = RateLimit()
+        self._failure_log = RateLimit()
+        self._refusal_log = RateLimit()
+        self._burst = _Burst()
+
+    # --- registry ------------------------------------------------------------------------
+
+    def admit(
+        self,
+        rid: Any,
+        prompt: Sequence[int],
+        *,
+        tag: Any = None,
+        chain_seed: str | None = None,
+    ) -> Lifecycle:
+        """Admit a request: allocate device pages for ``prompt`` and return its new
+        lifecycle, in PENDING (or OFFLOADING when ``offload_prompt`` submits the prompt).
+
+        ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
+        the two never share state. Raises :class:`~kvoffload.InvalidTokens`,
+        :class:`~kvoffload.PoolExhausted`, or the mover's error when it refuses the
+        ``offload_prompt`` chunk, with nothing changed.
+        """
+        cfg = self.config
+        tokens = validate_tokens(prompt, "prompt")
+        n = len(tokens)
+        ps = cfg.page_size
+        pages = self.device_pool.allocate(-(-n // ps))
+        lc = Lifecycle(self, self.host, LifecycleId(self._next_id), rid, self.clock(), self.owner)
+        lc.tag = tag
+        lc.device_pages = pages
+        lc._cap = len(pages) * ps
+        lc.committed = n
+        lc.chain_key = chain_seed
+        aligned = n - n % ps
+        if cfg.offload_prompt:
+            lc._tail = tokens
+            lc.due = aligned  # the prompt's page-aligned part is the first chunk
+        else:  # taken as stored by the prefill side; its pages seed the chain
+            if aligned:
+                lc.chain_key = chain_keys_packed(chain_seed, pack_tokens(tokens[:aligned]), ps)[-1]
+            lc.submitted = aligned
+            lc._tail = tokens[aligned:]
+            lc.due = aligned + cfg.stride
+        self._next_id += 1
+        self.live[lc.id] = lc
+        self.state_counts[0] += 1
+        self.counters.admitted += 1
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self.emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(pages))
+        if cfg.offload_prompt and aligned:
+            try:
+                self._submit(lc, aligned)
+            except BaseException:  # the mover refused: admit is all or nothing
+                del self.live[lc.id]
+                self.state_counts[0] -= 1
+                self.counters.admitted -= 1
+                self.device_pool.free(pages)
+                raise
+        return lc
+
+    def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
+        """Live lifecycles, oldest first; with ``rid``, those labelled ``rid`` (there may be
+        several: a reused id). For observability: O(live)."""
+        if rid is None:
+            return list(self.live.values())
+        return [lc for lc in self.live.values() if lc.rid == rid]
+
+    # --- events in ---------------------------------------------------------------------
+
+    def _check(self, lc: Lifecycle, e: int) -> None:
+        if TABLE[lc._s][e][0] < 0:
+            self._illegal(lc, e)
+
+    def _illegal(self, lc: Lifecycle, e: int) -> None:
+        raise InvalidTransition(lc, STATES[lc._s], EVENT_NAMES[e])
+
+    def extend(self, lc: Lifecycle, tokens: Sequence[int], *, ready: Any = None) -> None:
+        """The full path of :meth:`Lifecycle.extend` (the lifecycle takes a fast path for
+        the quiet decode step). All or nothing: a bad token, a full device pool or a
+        refused submission raises and changes nothing."""
+        self._check(lc, _EXTEND)
+        toks = validate_tokens(tokens)
+        n = len(toks)
+        committed = lc.committed + n
+        ps = self.config.page_size
+        held = len(lc.device_pages)
+        need = -(-committed // ps) - held
+        if need > 0:
+            lc.device_pages += self.device_pool.allocate(need)
+            lc._cap = len(lc.device_pages) * ps
+        lc.committed = committed
+        lc._tail += toks
+        self._fire(lc, _EXTEND)
+        if committed >= lc.due and lc._deferred_since is None:
+            pending = committed - lc.submitted
+            try:
+                self._submit(lc, pending - pending % self.config.stride, ready)
+            except BaseException:  # the mover refused: extend is all or nothing
+                del lc._tail[len(lc._tail) - n :]
+                lc.committed = committed - n
+                if need > 0:
+                    self.device_pool.free(lc.device_pages[held:])
+                    del lc.device_pages[held:]
+                    lc._cap = held * ps
+                raise
+
+    def finish(self, lc: Lifecycle) -> list[Lifecycle]:
+        """The request finished: flush the page-aligned remainder (F12), then FINISHING,
+        or RELEASED at once when nothing is in flight. Returns what it released."""
+        self._check(lc, _FINISH)
+        self._flush(lc, refusal_raises=True)
+        self._fire(lc, _FINISH)
+        return self._take_released()
+
+    def abort(self, lc: Lifecycle) -> list[Lifecycle]:
+        """No new chunks; in-flight ones are discarded on completion; RELEASED (ABORTED)
+        after the last one, or at once. Returns what it released."""
+        self._check(lc, _ABORT)
+        lc._aborted = True
+        if lc._deferred_since is not None:
+            lc._deferred_since = None
+            self.deferred.remove(lc)
+            self._notify_quiet(lc)
+        self._fire(lc, _ABORT)
+        return self._take_released()
+
+    def close(self) -> list[Lifecycle]:
+        """The driver is closing: no copy may start from now on (nothing would deliver
+        it), deferred chunks are dropped, and every live lifecycle is aborted - those
+        with nothing in flight are RELEASED now (returned), the others when their last
+        copy is delivered (discarded)."""
+        self.closing = True
+        live = list(self.live.values())
+        if live:
+            logger.warning("manager.closed_live", live=len(live))
+        for lc in live:
+            if not lc._aborted:
+                self.abort(lc)
+        return self._take_released()
+
+    def _flush(self, lc: Lifecycle, refusal_raises: bool = False) -> None:
+        """The tail flush (F12): submit every whole page not yet submitted, one host-sized
+        chunk at a time, until none is left or one finds the host pool full (then the
+        policy counts a drop or defers the rest; F9). Never a silent skip. A refusal of
+        the first chunk raises when ``refusal_raises`` (the caller's call changes
+        nothing); a later one is contained (:meth:`_refused`)."""
+        ps = self.config.page_size
+        first = True
+        while lc._deferred_since is None:
+            pending = lc.committed - lc.submitted
+            if pending < ps:
+                return
+            try:
+                if not self._submit(lc, pending - pending % ps):
+                    return
+            except Exception as exc:
+                if refusal_raises and first:
+                    raise
+                self._refused(lc, pending // ps, exc)
+                return
+            first = False
+
+    # --- chunks --------------------------------------------------------------------------
+
+    def _submit(self, lc: Lifecycle, n: int, ready: Any = None) -> bool:
+        """Submit the next ``n`` tokens (page-aligned) of ``lc`` as one chunk.
+
+        Order (F10): host pages first, then the mover's ``accept``, then the bookkeeping
+        and the state. A full host pool drops (or defers) the chunk with nothing changed
+        but the drop counters and ``lc.due``. Returns whether a chunk was submitted.
+        Raises :class:`~kvoffload.KVOffloadError` (nothing changed) once the core is
+        closing, and what ``accept`` raises (host pages returned, nothing changed).
+        """
+        if self.closing:
+            raise KVOffloadError(f"{lc!r}: the manager is closed, no copy can start; abort() releases it")
+        cfg = self.config
+        ps = cfg.page_size
+        wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
+        n = min(n, cfg.host_pages * ps)
+        if n <= 0:
+            return False
+        npages = n // ps
+        host = self.host_pool.try_allocate(npages)
+        if host is None:
+            self._host_full(lc, wanted)
+            return False
+        first = lc.submitted // ps
+        keys = chain_keys_packed(lc.chain_key, pack_tokens(lc._tail[:n]), ps)
+        now = self.clock()
+        stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
+        t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
+        t.ready = ready
+        try:
+            self.accept(t)
+        except BaseException:
+            self.host_pool.free(host)
+            raise
+        del lc._tail[:n]
+        lc.submitted += n
+        lc.chain_key = keys[-1]
+        lc.due = lc.submitted + cfg.stride
+        lc.inflight += 1
+        self.inflight[t.id] = t
+        c = self.counters
+        c.chunks_submitted += 1
+        c.chunks_inflight += 1
+        c.pages_submitted += npages
+        c.pages_inflight += npages
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self.emit(
+                "transfer.submitted",
+                lc,
+                transfer=t.id,
+                pages=npages,
+                bytes=npages * self.page_bytes,
+                tokens=n,
+                first_token=t.first_token,
+                stream=t.stream,
+            )
+        self._fire(lc, _SUBMIT)
+        return True
+
+    def _host_full(self, lc: Lifecycle, npages: int) -> None:
+        c = self.counters
+        if self.config.on_host_full == "wait" and not self.closing:
+            if lc._deferred_since is None:
+                lc._deferred_since = self.clock()
+                self.deferred.append(lc)
+                c.chunks_deferred += 1
+                if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                    self.emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
+            return
+        self._drop(lc, npages)
+
+    def _drop(self, lc: Lifecycle, npages: int) -> None:
+        c = self.counters
+        c.chunks_dropped += 1
+        c.pages_dropped += npages
+        lc.due = lc.committed + self.config.stride  # retry one stride later (F9)
+        held = self._drop_log.due(self.clock())
+        if held:
+            logger.warning(
+                "chunk.dropped",
+                rid=lc.rid,
+                lifecycle=lc.id,
+                pages=npages,
+                drops_since_last_log=held,
+                host_pages_free=self.host_pool.free_pages,
+            )
+        if self.listeners:
+            self.emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
+
+    def _refused(self, lc: Lifecycle, npages: int, error: BaseException) -> None:
+        """The mover refused a chunk outside a caller's call (F20): the chunk is counted
+        and dropped (retried one stride later while decoding); a finishing lifecycle's
+        lost tail makes its outcome FAILED. Never raises."""
+        c = self.counters
+        c.chunks_refused += 1
+        c.pages_refused += npages
+        if lc._s == _FINISHING:  # its tail is lost for good
+            lc._failed = True
+        held = self._refusal_log.due(self.clock())
+        if held:
+            logger.warning(
+                "transfer.refused",
+                rid=lc.rid,
+                lifecycle=lc.id,
+                pages=npages,
+                error=repr(error),
+                refusals_since_last_log=held,
+            )
+        if self.listeners:
+            self.emit("transfer.refused", lc, pages=npages, bytes=npages * self.page_bytes, error=repr(error))
+        self._drop(lc, npages)
+
+    def _pump_deferred(self) -> None:
+        """Submit deferred chunks, oldest first, while host pages last; drop the expired.
+        A mover's refusal fails that chunk only (F20). Once the core is closing, every
+        deferred chunk is dropped: no copy may start."""
+        q = self.deferred
+        cfg = self.config
+        now = self.clock()
+        while q:
+            lc = q[0]
+            since = lc._deferred_since
+            if since is None or lc._s == _RELEASED:
+                q.popleft()
+                continue
+            pending = lc.committed - lc.submitted
+            final = lc._s == _FINISHING
+            wanted = pending - pending % (cfg.page_size if final else cfg.stride)
+            n = min(wanted, cfg.host_pages * cfg.page_size)
+            if self.closing or now - since > cfg.host_wait_s:
+                q.popleft()
+                lc._deferred_since = None
+                self._drop(lc, wanted // cfg.page_size)  # every page not sent, as _submit counts
+                self._notify_quiet(lc)
+                self._fire(lc, _DROPPED)
+                continue
+            if n <= 0:  # nothing left to send (a prompt chunk sent with a later one; be safe)
+                q.popleft()
+                lc._deferred_since = None
+                self._notify_quiet(lc)
+                self._fire(lc, _DROPPED)
+                continue
+            if self.host_pool.free_pages < n // cfg.page_size:
+                break  # FIFO: later ones wait behind this one
+            q.popleft()
+            lc._deferred_since = None
+            if final:
+                self._flush(lc)  # may defer the rest again: it rejoins the queue
+            else:
+                try:
+                    self._submit(lc, n)
+                except Exception as exc:
+                    self._refused(lc, wanted // cfg.page_size, exc)
+            if lc.quiescent:  # nothing went out: a refused or dropped chunk
+                self._notify_quiet(lc)
+                self._fire(lc, _DROPPED)
+
+    # --- completions ---------------------------------------------------------------------
+
+    def complete(self, batch: Sequence[Completion], now: float | None = None) -> list[Lifecycle]:
+        """Apply a batch of completions, in order, each to the lifecycle that issued it
+        (the transfer holds it; F1). Returns the lifecycles the batch released.
+
+        Raises :class:`~kvoffload.KVOffloadError` before anything changes when a
+        completion names a transfer that is not in flight (delivered twice, never
+        submitted), :class:`~kvoffload.PageError` on a host double free.
+        """
+        inflight = self.inflight
+        seen: set[int] = set()
+        for t, _ in batch:
+            if t.id not in inflight or t.id in seen:
+                raise KVOffloadError(f"{t!r} completed twice or was never submitted")
+            seen.add(t.id)
+        self._deliver_all(batch, self.clock() if now is None else now)
+        self.counters.completions_delivered += len(batch)
+        return self._take_released()
+
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        """Apply one completion. A subclass that overrides this hook (the mutation
+        meta-tests do) is called once per completion by :meth:`complete`."""
+        self._deliver_all(((t, error),), now)
+
+    def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
+        """Apply completions in order, each exactly as one :meth:`_deliver_one` would,
+        doing once per batch what need not be done per completion: the observed gate,
+        the ledger writes and the host-page return of copied chunks (one checked
+        ``PagePool.free``).
+
+        Invariant: what the loop holds back (``chunks``/``pages``/``held``) is written
+        to the counters and the host pool (``_credit``) before anything can read them -
+        a log line or listener, ``_fire``'s full path (release, events, a subclass's
+        hook), ``_pump_deferred`` - and on the way out, normally or by an exception.
+        """
+        if type(self)._deliver_one is not OffloadCore._deliver_one:
+            for t, error in batch:
+                type(self)._deliver_one(self, t, error, now)
+            return
+        inflight = self.inflight
+        rows = _DONE_ROWS
+        counts = self.state_counts
+        fire = self._fire
+        hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
+        observed = bool(self.listeners) or (STRUCTLOG.is_configured and debug_enabled())
+        store = self.has_storage
+        chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
+        held: list[int] = []  # their host pages, not yet returned (none with storage)
+        try:
+            for t, error in batch:
+                if inflight.pop(t.id, None) is None:
+                    raise KVOffloadError(f"{t!r} completed twice or was never submitted")
+                lc = t.lifecycle
+                t.completed_at = now
+                t.error = error
+                lc.inflight -= 1
+                if error is None and not (observed or hooked or lc._aborted or self.deferred):
+                    s = lc._s
+                    dest = rows[s][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
+                    if 0 <= dest != _RELEASED:
+                        # Copied, nothing to emit, release or pump: the ledger waits for the
+                        # batch (or the next full path) and TABLE's step is applied here.
+                        chunks += 1
+                        host = t.host_pages
+                        pages += len(host)
+                        if store:
+                            self._queue_write(t)
+                        else:
+                            held += host
+                        if dest != s:
+                            counts[s] -= 1
+                            lc._s = dest
+                            lc.state_since = now
+                            counts[dest] += 1
+                        if lc._quiet_ev is not None:
+                            self._notify_quiet(lc)
+                        continue
+                # The full path, one completion at a time, on a balanced ledger.
+                if chunks:
+                    credit = chunks, pages, held
+                    chunks = pages = 0
+                    held = []
+                    self._credit(*credit)
+                e = self._account(t, error, now)
+                fire(lc, e, now)
+                if lc._quiet_ev is not None:
+                    self._notify_quiet(lc)
+                if self.deferred and (error is not None or lc._aborted or not store):
+                    self._pump_deferred()  # host pages came back
+                observed = bool(self.listeners) or (STRUCTLOG.is_configured and debug_enabled())
+        finally:
+            if chunks:
+                self._credit(chunks, pages, held)
+
+    def _queue_write(self, t: Transfer) -> None:
+        lc = t.lifecycle
+        job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid)
+        self.writes[t.id] = job
+        self._write_out.append(job)
+
+    def _credit(self, chunks: int, pages: int, held: list[int]) -> None:
+        """Write ``chunks`` copied chunks of ``pages`` pages to the ledger and return
+        ``held``, their host pages (none while a storage tier writes them behind)."""
+        c = self.counters
+        c.chunks_inflight -= chunks
+        c.pages_inflight -= pages
+        c.chunks_copied += chunks
+        c.pages_copied += pages
+        if self.has_storage:
+            c.pages_in_write += pages
+        else:
+            c.pages_not_stored += pages
+        if held:
+            self.host_pool.free(held)
+
+    def _account(self, t: Transfer, error: BaseException | None, now: float) -> int:
+        """The ledger part of one completion, written at once, then its log line and
+        events (the ledger balances when they run). Returns the event to fire."""
+        lc = t.lifecycle
+        host = t.host_pages
+        npages = len(host)
+        c = self.counters
+        if error is not None:
+            lc._failed = True
+            c.chunks_inflight -= 1
+            c.pages_inflight -= npages
+            c.chunks_failed += 1
+            c.pages_failed += npages
+            self.host_pool.free(host)
+            held = self._failure_log.due(now)
+            if held:  # a failing device fails every copy: one line per burst interval
+                logger.warning(
+                    "transfer.failed",
+                    rid=lc.rid,
+                    lifecycle=lc.id,
+                    transfer=t.id,
+                    error=repr(error),
+                    failures_since_last_log=held,
+                )
+            if self.listeners:
+                self._emit_delivery("transfer.failed", t, now, error=repr(error))
+            return _FAILED
+        if lc._aborted:
+            c.chunks_inflight -= 1
+            c.pages_inflight -= npages
+            c.chunks_discarded += 1
+            c.pages_discarded += npages
+            self.host_pool.free(host)
+            name = "transfer.discarded"
+        elif self.has_storage:
+            self._queue_write(t)
+            self._credit(1, npages, [])
+            name = "transfer.completed"
+        else:
+            self._credit(1, npages, host)
+            name = "transfer.completed"
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self._emit_delivery(name, t, now)
+        return _DONE
+
+    # --- storage write-behind ------------------------------------------------------------
+
+    def take_writes(self) -> list[WriteJob]:
+        """The storage write jobs queued since the last call, in completion order (a
+        request's chunks in chain order). Their host pages stay held until
+        :meth:`write_done`."""
+        out, self._write_out = self._write_out, []
+        return out
+
+    def write_done(
+        self, job_id: int, stored: bool, *, attempts: int = 1, error: BaseException | None = None
+    ) -> list[Lifecycle]:
+        """The writer finished job ``job_id`` (stored, or failed after ``attempts``
+        tries): its host pages return (rule 3), the outcome is counted, and a burst of
+        failures is logged once. Returns what a deferred chunk's expiry released."""
+        job = self.writes.pop(job_id, None)
+        if job is None:
+            raise KVOffloadError(f"storage write {job_id} finished twice or was never queued")
+        if self._write_out and any(j is job for j in self._write_out):  # finished before it was taken
+            self._write_out = [j for j in self._write_out if j is not job]
+        n = len(job.host_pages)
+        c = self.counters
+        c.pages_in_write -= n
+        c.pages_store_retried += (attempts - 1) * n
+        self.host_pool.free(job.host_pages)
+        if stored:
+            c.pages_stored += n
+            if self._burst.since is not None:
+                self._recovered(job)
+            if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                fields = self._notify_write("storage.written", job, attempts=attempts)
+                if STRUCTLOG.is_configured and debug_enabled():
+                    logger.debug("storage.written", **fields)
+        else:
+            c.pages_store_failed += n
+            self._store_failed(job, attempts, error)
+        if self.deferred:
+            self._pump_deferred()
+        return self._take_released()
+
+    def _store_failed(self, job: WriteJob, attempts: int, error: BaseException | None) -> None:
+        burst = self._burst
+        n = len(job.host_pages)
+        now = self.clock()
+        if burst.since is None:
+            burst.since = now
+            burst.last_log = now
+            burst.logged_pages = n
+            logger.warning(
+                "storage.failed", transfer=job.id, pages=n, attempts=attempts, error=repr(error)
+            )
+        elif now - burst.last_log >= self.store_log_interval_s:
+            logger.warning(
+                "storage.failed",
+                pages_failed_since_last_log=burst.pages + n - burst.logged_pages,
+                burst_s=now - burst.since,
+                error=repr(error),
+            )
+            burst.last_log = now
+            burst.logged_pages = burst.pages + n
+        burst.chunks += 1
+        burst.pages += n
+        if self.listeners:
+            self._notify_write("storage.failed", job, attempts=attempts, error=repr(error))
+
+    def _recovered(self, job: WriteJob) -> None:
+        burst = self._burst
+        assert burst.since is not None
+        fields = {"chunks_failed": burst.chunks, "pages_failed": burst.pages, "burst_s": self.clock() - burst.since}
+        logger.info("storage.recovered", **fields)
+        burst.since = None
+        burst.chunks = burst.pages = burst.logged_pages = 0
+        if self.listeners:
+            self._notify_write("storage.recovered", job, **fields)
+
+    def _notify_write(self, name: str, job: WriteJob, **extra: object) -> dict[str, object]:
+        n = len(job.host_pages)
+        fields: dict[str, object] = {"lifecycle": job.lifecycle_id, "rid": job.rid, "transfer": job.id}
+        fields.update(pages=n, bytes=n * self.page_bytes, t=self.clock(), **extra)
+        notify_listeners(self.listeners, name, fields)
+        return fields
+
+    # --- time ---------------------------------------------------------------------------
+
+    def pump(self) -> list[Lifecycle]:
+        """Retry deferred chunks now (host pages may have come back); drop the expired.
+        Returns what an expired deferral released."""
+        if self.deferred:
+            self._pump_deferred()
+        return self._take_released()
+
+    def tick(self) -> list[Lifecycle]:
+        """The time-based checks, now: deferral expiry (and retry) and the watchdog
+        (F18). Returns what an expired deferral released."""
+        if self.deferred:
+            self._pump_deferred()
+        if self.config.stuck_after_s is not None:
+            from kvoffload.core.watchdog import report_stuck
+
+            report_stuck(self)
+        return self._take_released()
+
+    # --- transitions ---------------------------------------------------------------------
+
+    def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
+        """Apply event ``e`` to ``lc`` after its effect on the counts: one table step."""
+        s = lc._s
+        dest = TABLE[s][e][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
+        if dest < 0:
+            self._illegal(lc, e)
+        if dest != s:
+            counts = self.state_counts
+            counts[s] -= 1
+            lc._s = dest
+            lc.state_since = self.clock() if now is None else now
+            if dest == _RELEASED:
+                if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                    self.emit_transition(lc, s, dest, e)
+                self._release(lc)
+                return
+            counts[dest] += 1
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self.emit_transition(lc, s, dest, e)
+
+    def _notify_quiet(self, lc: Lifecycle) -> None:
+        ev = lc._quiet_ev
+        if ev is not None and lc.quiescent:
+            lc._quiet_ev = None
+            ev.set()
+
+    def _release(self, lc: Lifecycle) -> None:
+        """RELEASED: the one place device pages are returned (F2-F8). Runs once per
+        lifecycle because RELEASED is terminal in the table."""
+        assert lc.inflight == 0 and lc._deferred_since is None, "released with a copy pending"
+        pages = lc.device_pages
+        lc.device_pages = []
+        self.device_pool.free(pages)
+        lc._tail = lc._tail[:0]
+        outcome = Outcome.ABORTED if lc._aborted else Outcome.FAILED if lc._failed else Outcome.COMPLETED
+        lc.outcome = outcome
+        del self.live[lc.id]
+        c = self.counters
+        if outcome is Outcome.COMPLETED:
+            c.released_completed += 1
+        elif outcome is Outcome.ABORTED:
+            c.released_aborted += 1
+        else:
+            c.released_failed += 1
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self.emit("lifecycle.released", lc, outcome=outcome.value, device_pages=len(pages))
+        self._released.append(lc)
+        ev = lc._released_ev
+        if ev is not None:
+            lc._released_ev = None
+            ev.set()
+        self._notify_quiet(lc)
+
+    def _take_released(self) -> list[Lifecycle]:
+        out = self._released
+        if out:
+            self._released = []
+        return out
+
+    # --- events out ----------------------------------------------------------------------
+
+    def emit(self, name: str, lc: Lifecycle, **fields: Any) -> None:
+        """Send event ``name`` about ``lc`` to the listeners and (at debug) structlog."""
+        fields["lifecycle"] = lc.id
+        fields["rid"] = lc.rid
+        fields["t"] = self.clock()
+        if self.listeners:
+            notify_listeners(self.listeners, name, fields)
+        if debug_enabled():
+            log = lc._log
+            if log is None:
+                log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
+            log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+
+    def _emit_delivery(self, name: str, t: Transfer, now: float, **extra: Any) -> None:
+        npages = len(t.host_pages)
+        self.emit(
+            name,
+            t.lifecycle,
+            transfer=t.id,
+            pages=npages,
+            bytes=npages * self.page_bytes,
+            latency_s=now - t.submitted_at,
+            **extra,
+        )
+
+    def emit_transition(self, lc: Lifecycle, s: int, dest: int, e: int) -> None:
+        """The ``lifecycle.transition`` event of one table step."""
+        self.emit(
+            "lifecycle.transition",
+            lc,
+            trigger=EVENT_NAMES[e],
+            **{"from": STATES[s].name, "to": STATES[dest].name},
+        )
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether a chunk is in flight, deferred, or waiting for its storage write."""
+        return bool(self.inflight or self.deferred or self.writes)
+
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the state and counters."""
+        sc = self.state_counts
+        return Statistics(
+            live_lifecycles=len(self.live),
+            pending=sc[0],
+            offloading=sc[1],
+            finishing=sc[2],
+            device_pages_used=self.device_pool.used,
+            device_pages_total=self.device_pool.n_pages,
+            host_pages_used=self.host_pool.used,
+            host_pages_total=self.host_pool.n_pages,
+            **self.counters.as_dict(),  # every counter is a Statistics field of its name
+        )
+
+    def check_invariants(self) -> None:
+        """Raise :class:`~kvoffload.InvariantViolation` if the ledger does not balance
+        (ARCHITECTURE.md rules 1-6). Tests call it after every step."""
+        from kvoffload.core.ledger import check
+
+        check(self)
+
+    def __repr__(self) -> str:
+        return f"<OffloadCore live={len(self.live)} inflight={len(self.inflight)}>"
+

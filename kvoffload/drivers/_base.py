@@ -1,0 +1,292 @@
+"""What both drivers share: building the core and its movers, the owner thread, the
+lifecycle protocol, ``on_released``, and parking buffers a wedged copy may still read.
+
+A driver owns threads and tasks and nothing else: every decision is the core's. It
+hands the core's copy jobs to the backend (``submit`` accepts; ``launch`` starts them
+when control returns to the driver, F19), takes completions and finished storage
+writes back to the core, and tells the engine which lifecycles were released.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from _thread import get_ident
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.config import OffloadConfig
+from kvoffload.core.events import Listener, logger
+from kvoffload.core.offload import OffloadCore
+from kvoffload.core.stats import Counters, Statistics
+from kvoffload.errors import KVOffloadError, StorageError
+from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
+from kvoffload.lifecycle.core import Lifecycle, wrong_thread
+from kvoffload.lifecycle.table import validate
+
+if TYPE_CHECKING:
+    from kvoffload.pools import DevicePool, HostPool
+    from kvoffload.storage.writer import WritePolicy
+
+__all__ = ["DriverBase", "parked"]
+
+_spec_validated = False
+
+#: Buffers (pools) and backends left behind by a close that timed out while a copy
+#: still ran: kept referenced here so nothing frees them under the copy (F21). An
+#: entry goes once its backend's threads have ended.
+_PARKED: list[tuple[EventBackend, tuple[Any, ...]]] = []
+_PARKED_LOCK = threading.Lock()
+
+
+def park(backend: EventBackend, *buffers: Any) -> None:
+    """Keep ``buffers`` alive until ``backend`` has no copy running."""
+    with _PARKED_LOCK:
+        _PARKED[:] = [(b, bufs) for b, bufs in _PARKED if not b.join(0)]
+        _PARKED.append((backend, buffers))
+
+
+def parked() -> int:
+    """How many closed managers' buffers are parked under a copy still running."""
+    with _PARKED_LOCK:
+        _PARKED[:] = [(b, bufs) for b, bufs in _PARKED if not b.join(0)]
+        return len(_PARKED)
+
+
+class DriverBase:
+    """The parts of :class:`~kvoffload.OffloadManager` and
+    :class:`~kvoffload.SyncOffloadManager` that do not depend on how they wait."""
+
+    #: The core class (the mutation meta-tests put a broken one here).
+    core_class: ClassVar[type[OffloadCore]] = OffloadCore
+    #: What the driver is called in errors.
+    kind: ClassVar[str] = "manager"
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        backend: str | EventBackend = "auto",
+        storage: str | os.PathLike[str] | Storage | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        write_policy: WritePolicy | None = None,
+        on_released: Callable[[Lifecycle], object] | None = None,
+    ) -> None:
+        global _spec_validated
+        if not _spec_validated:
+            validate()
+            _spec_validated = True
+        from kvoffload.backends import resolve_backend
+        from kvoffload.storage import resolve_storage
+        from kvoffload.storage.writer import WritePolicy
+
+        if not isinstance(config, OffloadConfig):
+            raise KVOffloadError(f"config must be an OffloadConfig, got {type(config).__name__}")
+        if on_released is not None and not callable(on_released):
+            raise KVOffloadError(f"on_released must be callable (called with each released lifecycle), got {on_released!r}")
+        self.config = config
+        self.backend: EventBackend = resolve_backend(backend)
+        self.storage: Storage | None = resolve_storage(storage)
+        self.write_policy = write_policy if write_policy is not None else WritePolicy()
+        self.clock = clock
+        self.on_released = on_released
+        device, host = self.backend.create_pools(config)
+        self.device_pool: DevicePool = device
+        self.host_pool: HostPool = host
+        page_bytes = host.tensor[0].numel() * host.tensor.element_size() if host.n_pages else 0
+        self.page_bytes = page_bytes
+        self.core: OffloadCore = self.core_class(
+            config,
+            device_pool=device,
+            host_pool=host,
+            accept=self._accept,
+            clock=clock,
+            storage=self.storage is not None,
+            streams=self.backend.streams,
+            page_bytes=page_bytes,
+            store_log_interval_s=self.write_policy.log_interval_s,
+        )
+        self.core.host = self
+        # _owner: the owner thread's ident, set when the manager opens.
+        self._owner: int | None = None
+        self._open = False
+        self._closed = False
+
+    # --- the core's job output -----------------------------------------------------------
+
+    def _accept(self, t: Transfer) -> None:
+        """The core's sink: the backend accepts the job now (or refuses: nothing changed);
+        the copy starts when control returns to the driver (:meth:`_launch_soon`)."""
+        self.backend.submit(t)
+        self._launch_soon()
+
+    def _launch_soon(self) -> None:
+        raise NotImplementedError
+
+    # --- state shared with tests and tools -----------------------------------------------
+
+    @property
+    def counters(self) -> Counters:
+        """The core's live counters (read them through :meth:`statistics`)."""
+        return self.core.counters
+
+    @counters.setter
+    def counters(self, value: Counters) -> None:
+        self.core.counters = value
+
+    # --- the owner thread ------------------------------------------------------------------
+
+    def _check_owner(self, what: str) -> None:
+        owner = self._owner
+        if owner is not None and get_ident() != owner:
+            raise wrong_thread(owner, what)
+
+    def _check_open(self, what: str) -> None:
+        self._check_owner(what)
+        if not self._open:
+            raise KVOffloadError(f"{what} needs an open manager: {self._open_hint()}")
+
+    def _open_hint(self) -> str:
+        raise NotImplementedError
+
+    # --- registry ------------------------------------------------------------------------
+
+    def admit(
+        self,
+        rid: Any,
+        prompt: Sequence[int],
+        *,
+        tag: Any = None,
+        chain_seed: str | None = None,
+    ) -> Lifecycle:
+        """Admit a request: its new lifecycle, in PENDING (or OFFLOADING when
+        ``offload_prompt`` submits the prompt).
+
+        ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
+        the two never share state. ``tag`` is the engine's handle, carried as
+        ``lc.tag``; ``chain_seed`` seeds the page-key chain. Raises
+        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`, or the
+        backend's error when it refuses the ``offload_prompt`` chunk, with nothing
+        changed; :class:`~kvoffload.WrongThread` off the owner thread.
+        """
+        self._check_open("admit()")
+        return self.core.admit(rid, prompt, tag=tag, chain_seed=chain_seed)
+
+    def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
+        """Live lifecycles, oldest first; with ``rid``, those labelled ``rid`` (there may be
+        several: a reused id). For observability: O(live)."""
+        return self.core.lifecycles(rid)
+
+    def __iter__(self) -> Iterator[Lifecycle]:
+        return iter(list(self.core.live.values()))
+
+    def __len__(self) -> int:
+        return len(self.core.live)
+
+    # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
+
+    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None:
+        """``lc.extend(tokens, pages=, ready=)`` (called by the lifecycle, after its owner check)."""
+        if pages is not None:
+            raise KVOffloadError(
+                f"{lc!r}: extend(pages=...) hands over engine pages, but this manager owns its device "
+                "pool (device_pages is set): leave pages out"
+            )
+        self.core.extend(lc, tokens, ready=ready)
+
+    def finish_lifecycle(self, lc: Lifecycle) -> None:
+        """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``."""
+        self._released(self.core.finish(lc), raise_errors=True)
+
+    def abort_lifecycle(self, lc: Lifecycle) -> None:
+        """``lc.abort()``: the core's step, then ``on_released`` if it released ``lc``."""
+        self._released(self.core.abort(lc), raise_errors=True)
+
+    def _released(self, released: list[Lifecycle], raise_errors: bool = False) -> None:
+        """Tell the engine: ``on_released(lc)`` for each, on the owner thread, after the
+        core's ledger is consistent. A callback that raises is logged
+        (``manager.on_released_failed``) and the others still run; with ``raise_errors``
+        the first error then reaches the caller of the call that released."""
+        cb = self.on_released
+        if cb is None or not released:
+            return
+        first: BaseException | None = None
+        for lc in released:
+            try:
+                cb(lc)
+            except Exception as exc:
+                logger.error("manager.on_released_failed", lifecycle=lc.id, rid=lc.rid, error=repr(exc))
+                if first is None:
+                    first = exc
+        if first is not None and raise_errors:
+            raise first
+
+    # --- storage reads (keys) ---------------------------------------------------------------
+
+    def _read_keys(self, tokens: Sequence[int], n: int | None, chain_seed: str | None) -> list[str]:
+        """Chain keys of the whole pages of ``tokens[:n]`` (all whole pages when ``n`` is None)."""
+        from kvoffload.errors import InvalidTokens
+
+        ps = self.config.page_size
+        toks = validate_tokens(tokens)
+        if n is None:
+            n = len(toks) - len(toks) % ps
+        elif type(n) is not int or not 0 <= n <= len(toks) or n % ps:
+            raise InvalidTokens(
+                f"fetch n={n!r} must be a multiple of page_size ({ps}) between 0 and len(tokens) ({len(toks)})"
+            )
+        return chain_keys_packed(chain_seed, pack_tokens(toks[:n]), ps)
+
+    def _store(self) -> Storage:
+        if self.storage is None:
+            raise StorageError(f"this {self.kind} has no storage tier (storage=None): nothing to look up")
+        return self.storage
+
+    def _fetched(self, pages: list[bytes | None]) -> list[bytes]:
+        size = self.host_pool.tensor[0].nbytes if self.host_pool.n_pages else -1
+        out: list[bytes] = []
+        for page in pages:
+            if page is None or len(page) != size:
+                break
+            out.append(page)
+        return out
+
+    # --- observability -------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener(event_name, fields)`` for every event; returns a remover.
+        Listeners are called on the owner thread; attaching one makes every step build
+        its events (the slow path)."""
+        listeners = self.core.listeners
+        listeners.append(listener)
+        return lambda: listeners.remove(listener) if listener in listeners else None
+
+    def statistics(self) -> Statistics:
+        """A frozen snapshot of the manager's state and counters."""
+        return self.core.statistics()
+
+    def check_invariants(self) -> None:
+        """Raise :class:`~kvoffload.InvariantViolation` if the ledger does not balance
+        (ARCHITECTURE.md rules 1-6). Tests call it after every step."""
+        self.core.check_invariants()
+
+    def _drain_error(self, what: str, timeout: float | None) -> str:
+        core = self.core
+        stuck = list(core.inflight.values())
+        return (
+            f"{what} after {timeout}s with {len(stuck)} copies in flight, {len(core.deferred)} chunks "
+            f"waiting for host pages, {len(core.writes)} storage writes unfinished: {stuck[:4]!r}; "
+            "the pages they use were not freed"
+        )
+
+    def _park(self) -> str:
+        """Park this manager's buffers under the copies still running; describe them."""
+        running = self.backend.running()
+        park(self.backend, self.device_pool, self.host_pool)
+        return f"wedged copies: {running[:4]!r}; their buffers are parked, never freed"
+
+    def __repr__(self) -> str:
+        core = self.core
+        return f"<{type(self).__name__} backend={self.backend.name} live={len(core.live)} inflight={len(core.inflight)}>"

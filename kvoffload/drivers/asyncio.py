@@ -1,0 +1,391 @@
+"""OffloadManager: the asyncio driver over the core.
+
+Bookkeeping is the core's (every method here that changes state is a plain ``def``
+that never awaits); this driver adds waiting. Completions are delivered by a loop
+callback that the backend's waker schedules (one per wake-up, every ready completion
+in one batch); copies are launched by a callback on the loop's next turn (F19);
+storage writes run in one task, the timers in another. Both are plain asyncio tasks
+that contain their own failures (F20): nothing a background step raises cancels the
+caller's code, and the manager may be entered and left in different tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from _thread import get_ident
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from kvoffload.abc import Completion, EventBackend, Storage
+from kvoffload.config import OffloadConfig
+from kvoffload.core.events import logger
+from kvoffload.drivers._base import DriverBase
+from kvoffload.errors import DrainTimeout, KVOffloadError
+from kvoffload.lifecycle.core import Lifecycle
+
+if TYPE_CHECKING:
+    from kvoffload.storage.writer import AsyncWriter, WritePolicy, WriteResult
+
+__all__ = ["OffloadManager"]
+
+#: Seconds a close waits past its drain timeout for copy threads to end.
+_JOIN_GRACE_S = 1.0
+
+
+class OffloadManager(DriverBase):
+    """Offloads the KV of admitted requests, chunk by chunk, while they decode (asyncio).
+
+    ``async with OffloadManager(config, backend="auto", storage=None) as mgr:`` — the
+    backend and storage are a name (``"auto"``: cuda with a GPU, else cpu; ``"sim"``,
+    ``"cpu"``, ``"cuda"``, which raises :class:`~kvoffload.BackendError` without a GPU;
+    ``"memory"``, a directory path, a ``redis://`` URL) or an instance. Leaving the
+    context drains in-flight copies (F16), at most ``config.drain_timeout_s``, then
+    raises :class:`~kvoffload.DrainTimeout` naming the wedged copies (F21); lifecycles
+    still live are aborted. ``on_released(lc)`` is called once per lifecycle at
+    RELEASED, on the loop's thread.
+
+    All methods are called from the event loop's thread (else
+    :class:`~kvoffload.WrongThread`, nothing changed).
+    """
+
+    kind = "OffloadManager"
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        *,
+        backend: str | EventBackend = "auto",
+        storage: str | os.PathLike[str] | Storage | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        write_policy: WritePolicy | None = None,
+        on_released: Callable[[Lifecycle], object] | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            backend=backend,
+            storage=storage,
+            clock=clock,
+            write_policy=write_policy,
+            on_released=on_released,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._launch_scheduled = False
+        self._deliver_scheduled = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._writer: AsyncWriter | None = None
+        # _delivered: completions delivered, ever; _writes_done: storage writes finished, ever.
+        self._delivered = 0
+        self._writes_done = 0
+        self._writes_queued = 0
+        self._progress_ev: anyio.Event | None = None
+        # _joined: the backend's threads ended at close (False: buffers parked).
+        self._joined = True
+
+    def _open_hint(self) -> str:
+        return "use `async with OffloadManager(...)`"
+
+    # --- context -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> OffloadManager:
+        if self._open or self._closed:
+            raise KVOffloadError("an OffloadManager can be entered once")
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._owner = self.core.owner = get_ident()
+        self.backend.open(self.device_pool, self.host_pool)
+        self.backend.set_waker(self._wake_from_any_thread)
+        if self.storage is not None:
+            from kvoffload.storage.writer import AsyncWriter
+
+            self._writer = AsyncWriter(self.storage, self.host_pool, self.write_policy, self._write_finished)
+            self._spawn(self._writer.run, "kvoffload.storage-writer")
+        if self.config.stuck_after_s is not None or self.config.on_host_full == "wait" or self.backend.needs_polling:
+            self._spawn(self._tick_loop, "kvoffload.timers")
+        self._open = True
+        return self
+
+    def _spawn(self, fn: Callable[[], Any], name: str) -> None:
+        assert self._loop is not None
+        self._tasks.append(self._loop.create_task(self._contained(fn, name), name=name))
+
+    @staticmethod
+    async def _contained(fn: Callable[[], Any], name: str) -> None:
+        """Run a background task; an unexpected error is logged, never propagated (F20)."""
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # pragma: no cover - a kvoffload bug; the step that failed is logged
+            logger.error("manager.task_failed", task=name, error=repr(exc))
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        self._check_owner("leaving the OffloadManager")
+        if not self._open:
+            raise KVOffloadError("this OffloadManager is not open")
+        timeout = self.config.drain_timeout_s
+        start = time.monotonic()
+        error: DrainTimeout | None = None
+        # After an error in the body, copies that nobody will complete (sim) are not
+        # waited for; their pages stay allocated, so nothing is freed under them.
+        drain = exc is None or self.backend.completes_on_its_own
+        try:
+            with anyio.fail_after(timeout if drain else 0):
+                await self.wait_drained()
+        except TimeoutError:
+            if drain:  # skipping the drain after an error under sim is by design: no error
+                core = self.core
+                logger.error(
+                    "manager.drain_timeout",
+                    inflight=len(core.inflight),
+                    deferred=len(core.deferred),
+                    writes=len(core.writes),
+                    transfers=[repr(t) for t in list(core.inflight.values())[:8]],
+                )
+                error = DrainTimeout(self._drain_error("left the manager", timeout))
+        finally:
+            await self._shut_down(start, timeout)
+        if not self._joined and drain and exc is None:
+            detail = self._park()
+            if error is None:
+                error = DrainTimeout(f"left the manager after {timeout}s: {detail}")
+            else:
+                error = DrainTimeout(f"{error}; {detail}")
+        elif not self._joined:
+            self._park()
+        if error is not None and exc is None and drain:
+            raise error
+        return None
+
+    async def _shut_down(self, start: float, timeout: float | None) -> None:
+        """Close: no copy may start; live lifecycles are aborted (the idle ones released
+        now); waiters wake and see the manager closed; background tasks end; the backend
+        stops (its threads joined within what is left of the timeout, plus a grace)."""
+        self._open = False
+        self._closed = True
+        try:
+            self._released(self.core.close())
+        finally:
+            self.backend.set_waker(None)
+            self._wake_progress()
+            for lc in list(self.core.live.values()):
+                lc.wake()
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await task
+                    except BaseException:  # noqa: S110 - a cancelled task ends with its error
+                        pass
+            self._tasks.clear()
+            self.backend.close()
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start)) + _JOIN_GRACE_S
+            self._joined = await self._join_backend(left)
+            if self.storage is not None:
+                try:
+                    with anyio.move_on_after(_JOIN_GRACE_S if timeout is not None else None):
+                        await self.storage.aclose()
+                except Exception as exc:  # closing a store must not hide the real outcome
+                    logger.warning("storage.close_failed", error=repr(exc))
+
+    async def _join_backend(self, timeout: float | None) -> bool:
+        """Wait (without blocking the loop) until the backend's copies end, at most ``timeout``."""
+        import anyio.to_thread
+
+        if self.backend.join(0):
+            return True
+        with anyio.CancelScope(shield=True):
+            return await anyio.to_thread.run_sync(self.backend.join, timeout, abandon_on_cancel=False)
+
+    # --- driving the movers ------------------------------------------------------------
+
+    def _launch_soon(self) -> None:
+        """Copies start on the loop's next turn: the engine may write a page it got in
+        the same call before any copy reads it (F19)."""
+        if not self._launch_scheduled:
+            self._launch_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._launch)
+
+    def _launch(self) -> None:
+        self._launch_scheduled = False
+        try:
+            self.backend.launch()
+        except Exception as exc:  # pragma: no cover - a backend that breaks its contract
+            logger.error("manager.launch_failed", error=repr(exc))
+
+    def _wake_from_any_thread(self) -> None:
+        """The backend's waker: schedule one delivery on the loop (any thread)."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._deliver_ready)
+
+    def _deliver_ready(self) -> None:
+        """Deliver every ready completion as one batch (a loop callback)."""
+        if self._closed:
+            return
+        batch = self.backend.take_completions()
+        if batch:
+            self._deliver(batch)
+
+    def _deliver(self, batch: list[Completion]) -> None:
+        """Apply ``batch`` to the core; a completion the core refuses (delivered twice,
+        never submitted) is logged and skipped, and the rest are applied (F20)."""
+        try:
+            released = self.core.complete(batch)
+        except KVOffloadError:
+            known = [(t, e) for t, e in batch if t.id in self.core.inflight]
+            bad = len(batch) - len(known)
+            logger.error("manager.bad_completions", completions=bad)
+            released = self.core.complete(list(dict((t.id, (t, e)) for t, e in known).values()))
+        self._delivered += len(batch)
+        self._after_step(released)
+
+    def _after_step(self, released: list[Lifecycle]) -> None:
+        """After a core step off the caller's path: start the writes it queued, launch
+        the copies it made due, tell the engine, wake the waiters."""
+        writer = self._writer
+        if writer is not None:
+            jobs = self.core.take_writes()
+            if jobs:
+                self._writes_queued += len(jobs)
+                writer.put(jobs)
+        self._released(released)
+        self._wake_progress()
+
+    def _write_finished(self, result: WriteResult) -> None:
+        job, stored, attempts, error = result
+        self._writes_done += 1
+        self._after_step(self.core.write_done(job.id, stored, attempts=attempts, error=error))
+
+    def _wake_progress(self) -> None:
+        ev = self._progress_ev
+        if ev is not None:
+            self._progress_ev = None
+            ev.set()
+
+    # --- waiting -------------------------------------------------------------------------
+
+    async def settle(self) -> None:
+        """Return once every completion the backend has signalled so far was delivered
+        and every storage write queued so far finished. On a closed manager, where
+        nothing is left to deliver or write, raises :class:`~kvoffload.KVOffloadError`
+        instead of waiting for ever."""
+        self._check_owner("settle()")
+        target = self._delivered + self.backend.ready
+        self._deliver_ready()
+        while self._delivered < target:
+            await self._wait_progress()
+        self._after_step([])  # writes the deliveries queued are handed to the writer
+        written = self._writes_queued
+        while self._writes_done < written:
+            await self._wait_progress()
+
+    async def _wait_progress(self) -> None:
+        """Wait for the next delivery batch or finished write (or the close)."""
+        if self._closed:
+            raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
+        if self._progress_ev is None:
+            self._progress_ev = anyio.Event()
+        if self.backend.needs_polling:
+            with anyio.move_on_after(1e-3):
+                await self._progress_ev.wait()
+            self._deliver_ready()
+        else:
+            await self._progress_ev.wait()
+
+    async def wait_drained(self) -> None:
+        """Wait until no chunk is in flight, deferred or waiting for its storage write.
+        Raises :class:`~kvoffload.KVOffloadError` once the manager is closed with some
+        left (it was left before they drained; nothing will finish them)."""
+        self._check_owner("wait_drained()")
+        core = self.core
+        while core.busy:
+            await self._wait_progress()
+            if core.deferred:
+                self._after_step(core.pump())
+
+    async def wait_lifecycle(self, lc: Lifecycle, released: bool) -> None:
+        """Wait until ``lc`` is RELEASED (``released``) or quiescent. Raises
+        :class:`~kvoffload.KVOffloadError` on a closed manager while a chunk of ``lc`` is
+        still in flight or deferred: nothing will finish it."""
+        while not (lc.released if released else lc.quiescent):
+            if self._closed and not lc.quiescent:
+                raise KVOffloadError(f"{lc!r}: the manager is closed; its chunk in flight will never complete")
+            # One waker per lifecycle and kind, shared by every waiter (the core sets it once).
+            ev = lc._released_ev if released else lc._quiet_ev
+            if ev is None:
+                ev = anyio.Event()
+                if released:
+                    lc._released_ev = ev
+                else:
+                    lc._quiet_ev = ev
+            assert isinstance(ev, anyio.Event)
+            if self.backend.needs_polling:
+                with anyio.move_on_after(1e-3):
+                    await ev.wait()
+                self._deliver_ready()
+            else:
+                await ev.wait()
+
+    def tick(self) -> None:
+        """Run the time-based checks now (deferral expiry, watchdog). The timer task calls
+        this every ``watchdog_interval_s``; tests with a virtual clock call it."""
+        self._check_owner("tick()")
+        self._after_step(self.core.tick())
+
+    async def _tick_loop(self) -> None:
+        cfg = self.config
+        interval = cfg.watchdog_interval_s
+        if cfg.on_host_full == "wait":
+            interval = min(interval, max(cfg.host_wait_s / 4, 0.001))
+        if self.backend.needs_polling:
+            interval = min(interval, 1e-3)
+        while True:
+            await anyio.sleep(interval)
+            try:
+                if self.backend.needs_polling:
+                    self._deliver_ready()
+                self.tick()
+            except Exception as exc:  # a failing step is logged; the timers go on (F20)
+                logger.error("manager.tick_failed", error=repr(exc))
+
+    # --- storage reads -------------------------------------------------------------------
+
+    async def lookup(self, tokens: Sequence[int], chain_seed: str | None = None) -> int:
+        """How many leading tokens of ``tokens`` (whole pages) are in the storage tier.
+
+        Any worker may have stored them. Raises :class:`~kvoffload.InvalidTokens`, or
+        :class:`~kvoffload.StorageError` when there is no storage or it cannot be reached.
+        """
+        self._check_owner("lookup()")
+        storage = self._store()
+        keys = self._read_keys(tokens, None, chain_seed)
+        if not keys:
+            return 0
+        return await storage.exists_prefix(keys) * self.config.page_size
+
+    async def fetch(self, tokens: Sequence[int], n: int, chain_seed: str | None = None) -> list[bytes]:
+        """The stored bytes of the pages of ``tokens[:n]`` (``n`` a multiple of page_size),
+        each read under its chain key and checked against it.
+
+        Returns the leading pages found, in order: fewer than ``n // page_size`` when a
+        page is missing, corrupt or of the wrong size (never a wrong page). Raises like
+        :meth:`lookup`.
+        """
+        self._check_owner("fetch()")
+        storage = self._store()
+        keys = self._read_keys(tokens, n, chain_seed)
+        if not keys:
+            return []
+        return self._fetched(await storage.get(keys))

@@ -1,0 +1,281 @@
+"""Write-behind: a copied chunk's host pages go to the storage tier under their keys.
+
+A mover: it does the I/O and nothing else. The core queues a :class:`~kvoffload.abc.WriteJob`
+when a chunk's copy completed; a writer writes the jobs one at a time, in the order the
+copies completed, so the pages of one request reach the store in chain order and
+``exists_prefix`` stays a prefix for every reader; it reports each job back (stored or
+failed, after how many attempts) and the core returns the host pages and counts the
+outcome (FAILURES F15). A lifecycle never waits on this (it may be RELEASED long before).
+
+Two writers share :func:`write_job`: :class:`AsyncWriter`, a task on the asyncio
+driver's loop, and :class:`ThreadWriter`, a thread with an event loop of its own for
+the sync driver (whose ``poll()`` only starts writes and collects what finished).
+
+Failure policy (:class:`WritePolicy`): a chunk is tried up to ``attempts`` times with
+exponential backoff; then its pages are counted as failed and its host pages
+returned. After a chunk has failed, the store is taken as down: the next chunks get
+one try each (no retries, no backoff) until one succeeds, so a dead store costs one
+failed call per chunk and never stalls the queue. The core logs failures once per
+*burst*: a ``storage.failed`` warning when the first chunk fails, a reminder at most
+every ``log_interval_s`` while it lasts, and ``storage.recovered`` with the burst's
+totals at the first success.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from kvoffload.errors import ConfigError, KVOffloadError
+
+if TYPE_CHECKING:
+    from kvoffload.abc import Storage, WriteJob
+    from kvoffload.pools import HostPool
+
+__all__ = ["AsyncWriter", "ThreadWriter", "WritePolicy", "WriteResult", "page_bytes", "write_job"]
+
+_T = TypeVar("_T")
+
+#: Chunks larger than this are read out of the host pool on a worker thread.
+_THREAD_COPY_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class WritePolicy:
+    """How the storage writer retries and logs (``OffloadManager(write_policy=...)``)."""
+
+    attempts: int = 3
+    """Tries per chunk while the store is healthy (1: never retry)."""
+    backoff_s: float = 0.05
+    """Sleep before the first retry; doubled before each next one."""
+    backoff_max_s: float = 1.0
+    """Upper bound of one backoff sleep."""
+    log_interval_s: float = 30.0
+    """While failures go on, at most one ``storage.failed`` reminder per this many
+    seconds of the manager's clock."""
+
+    def __post_init__(self) -> None:
+        if type(self.attempts) is not int or self.attempts < 1:
+            raise ConfigError(f"attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("backoff_s", "backoff_max_s", "log_interval_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to sleep before retry number ``retry`` (0-based)."""
+        return float(min(self.backoff_s * (2**retry), self.backoff_max_s))
+
+
+#: A finished job: (job, stored, attempts, error or None).
+WriteResult = tuple["WriteJob", bool, int, "BaseException | None"]
+
+
+class WriterState:
+    """What a writer remembers between jobs: whether the store is taken as down."""
+
+    __slots__ = ("down",)
+
+    def __init__(self) -> None:
+        # down: the last job failed after its attempts; the next ones get one try each.
+        self.down = False
+
+
+def page_bytes(pool: HostPool, host_pages: list[int]) -> list[bytes]:
+    """The raw bytes of each host page (a copy: the pages return to the pool after).
+
+    A pool is page-major, so each page is one contiguous block: one memcpy per page.
+    """
+    import torch
+
+    t = pool.tensor
+    if t.is_contiguous() and t.device.type == "cpu":
+        rows = t.view(t.shape[0], -1).view(torch.uint8).numpy()
+        return [rows[p].tobytes() for p in host_pages]
+    picked = t[torch.tensor(host_pages, dtype=torch.long)].cpu().contiguous()
+    flat = picked.view(torch.uint8).reshape(len(host_pages), -1).numpy()
+    return [flat[i].tobytes() for i in range(len(host_pages))]
+
+
+async def write_job(
+    storage: Storage,
+    pool: HostPool,
+    job: WriteJob,
+    policy: WritePolicy,
+    state: WriterState,
+    *,
+    threaded_read: bool = True,
+) -> WriteResult:
+    """Write ``job``'s pages under its keys with bounded retries (fewer while the store
+    is down). Never raises a storage failure: it is the result; cancellation propagates."""
+    size = len(job.host_pages) * pool.tensor[0].nbytes if pool.n_pages else 0
+    if threaded_read and size > _THREAD_COPY_BYTES:  # host pages are held: stable to read
+        pages = await anyio.to_thread.run_sync(page_bytes, pool, job.host_pages)
+    else:
+        pages = page_bytes(pool, job.host_pages)
+    attempts = 1 if state.down else policy.attempts
+    error: BaseException | None = None
+    for attempt in range(attempts):
+        if attempt:
+            await anyio.sleep(policy.backoff(attempt - 1))
+        try:
+            await storage.put(job.keys, pages)
+        except Exception as exc:  # a store may raise anything; it is this chunk's failure
+            error = exc
+            continue
+        state.down = False
+        return (job, True, attempt + 1, None)
+    state.down = True
+    return (job, False, attempts, error)
+
+
+class AsyncWriter:
+    """The asyncio driver's writer: one task on the driver's loop writes the jobs in
+    order and hands each result to ``done`` (on the loop thread)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        pool: HostPool,
+        policy: WritePolicy,
+        done: Callable[[WriteResult], None],
+    ) -> None:
+        self.storage = storage
+        self._pool = pool
+        self._policy = policy
+        self._done = done
+        self._state = WriterState()
+        # _queue: jobs handed over and not yet written, in order.
+        self._queue: deque[WriteJob] = deque()
+        self._ev: anyio.Event | None = None
+
+    def put(self, jobs: list[WriteJob]) -> None:
+        """Queue ``jobs`` (loop thread)."""
+        self._queue.extend(jobs)
+        ev = self._ev
+        if ev is not None:
+            self._ev = None
+            ev.set()
+
+    async def run(self) -> None:
+        """The writer task: write queued jobs in order, for ever (until cancelled)."""
+        q = self._queue
+        while True:
+            if not q:
+                self._ev = anyio.Event()
+                await self._ev.wait()
+                continue
+            result = await write_job(self.storage, self._pool, q[0], self._policy, self._state)
+            q.popleft()
+            self._done(result)
+            del result  # hold no job while waiting for the next
+
+
+class ThreadWriter(threading.Thread):
+    """The sync driver's writer: a thread running an event loop of its own. ``put``
+    hands jobs over and ``take_results`` collects what finished, both without blocking
+    (owner thread); ``call`` runs a storage coroutine (``lookup``, ``fetch``) there and
+    waits for it. The store's connections belong to this thread's loop."""
+
+    def __init__(self, storage: Storage, pool: HostPool, policy: WritePolicy) -> None:
+        super().__init__(name="kvoffload.storage-writer", daemon=True)
+        self.storage = storage
+        self._pool = pool
+        self._policy = policy
+        self._state = WriterState()
+        self._lock = threading.Lock()
+        # _results: finished jobs not yet taken (guarded by _lock).
+        self._results: deque[WriteResult] = deque()
+        # _inflight: jobs handed over and not yet finished (guarded by _lock).
+        self._inflight = 0
+        self._progress = threading.Condition(self._lock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._started = threading.Event()
+        self._queue: asyncio.Queue[WriteJob | None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        super().start()
+        self._started.wait()
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._started.set()
+        try:
+            while True:
+                job = await self._queue.get()
+                if job is None:
+                    return
+                result = await write_job(self.storage, self._pool, job, self._policy, self._state)
+                with self._lock:
+                    self._results.append(result)
+                    self._inflight -= 1
+                    self._progress.notify_all()
+                del job, result
+        finally:
+            try:
+                await self.storage.aclose()
+            except Exception:  # a store that fails to close: nothing is left to lose
+                pass
+
+    def put(self, jobs: list[WriteJob]) -> None:
+        """Hand ``jobs`` to the thread (owner thread; never blocks)."""
+        loop, queue = self._loop, self._queue
+        if self._stopped or loop is None or queue is None:
+            raise KVOffloadError("the storage writer is stopped")
+        with self._lock:
+            self._inflight += len(jobs)
+        for job in jobs:
+            loop.call_soon_threadsafe(queue.put_nowait, job)
+
+    @property
+    def pending(self) -> int:
+        """Jobs handed over and not yet finished."""
+        return self._inflight
+
+    def take_results(self) -> list[WriteResult]:
+        """Every finished job not yet taken, in order (never blocks)."""
+        if not self._results:
+            return []
+        with self._lock:
+            out = list(self._results)
+            self._results.clear()
+        return out
+
+    def wait_progress(self, timeout: float | None) -> bool:
+        """Block until a result is ready (or ``timeout``); whether one is."""
+        with self._progress:
+            if not self._results:
+                self._progress.wait(timeout)
+            return bool(self._results)
+
+    def call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Run ``coro`` on this thread's loop and wait for its result."""
+        loop = self._loop
+        if self._stopped or loop is None:
+            coro.close()
+            raise KVOffloadError("the storage writer is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def stop(self) -> None:
+        """Write what was handed over, then close the store and end the thread."""
+        loop, queue = self._loop, self._queue
+        if self._stopped or loop is None or queue is None:
+            return
+        self._stopped = True
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+        except RuntimeError:  # the loop already ended
+            pass
