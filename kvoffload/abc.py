@@ -249,40 +249,6 @@ class EventBackend(abc.ABC):
         return whether none runs. Call after :meth:`close`."""
         return True
 
-    async def wait_completions(self) -> list[Completion]:
-        """Wait until at least one completion is ready; return every ready one. For
-        callers on an asyncio loop that drive a backend directly (tests, tools)."""
-        import asyncio
-
-        import anyio
-
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = self.take_completions()
-            if batch:
-                return batch
-            if self.needs_polling:
-                await anyio.sleep(1e-4)
-                continue
-            ev = anyio.Event()
-            self.set_waker(lambda: loop.call_soon_threadsafe(ev.set))
-            try:
-                if not self.ready:
-                    await ev.wait()
-            finally:
-                self.set_waker(None)
-
-    async def aclose(self) -> None:
-        """:meth:`close`, then wait until no copy runs, on a worker thread; returns only
-        once none runs, also when the caller is cancelled (the cancellation comes out
-        after). For callers on an event loop that drive a backend directly."""
-        import anyio
-        import anyio.to_thread
-
-        self.close()
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.join, None, abandon_on_cancel=False)
-
 
 class Storage(abc.ABC):
     """A tier that keeps pages under their chain keys, shared by workers or not.

@@ -36,9 +36,15 @@ from kvoffload.drivers.asyncio import OffloadManager
 
 if TYPE_CHECKING:
     from kvoffload._testing.capture import TransitionRecord, capture_transitions
-    from kvoffload._testing.host import ManagerHost
-    from kvoffload._testing.machine import LifecycleMachine
+    from kvoffload._testing.host import ManagerHost, SyncManagerHost
+    from kvoffload._testing.machine import (
+        CoreLifecycleMachine,
+        FlakyStorage,
+        LifecycleMachine,
+        SyncLifecycleMachine,
+    )
     from kvoffload._testing.observer import CheckedSimBackend, Observer, reference_keys
+    from kvoffload._testing.program import open_arguments, programs, run_program
     from kvoffload._testing.strategies import (
         Request,
         Schedule,
@@ -51,6 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckedSimBackend",
+    "CoreLifecycleMachine",
+    "FlakyStorage",
     "LifecycleMachine",
     "ManagerHost",
     "Observer",
@@ -58,12 +66,17 @@ __all__ = [
     "Schedule",
     "SimBackend",
     "Step",
+    "SyncLifecycleMachine",
+    "SyncManagerHost",
     "TransitionRecord",
     "capture_transitions",
     "completion_orders",
     "manager_in_task",
+    "open_arguments",
+    "programs",
     "reference_keys",
     "request_streams",
+    "run_program",
     "run_schedule",
     "schedules",
 ]
@@ -106,16 +119,23 @@ async def manager_in_task(*args: Any, **kwargs: Any) -> AsyncIterator[OffloadMan
 
 _LAZY: dict[str, str] = {
     "CheckedSimBackend": "observer",
+    "CoreLifecycleMachine": "machine",
+    "FlakyStorage": "machine",
     "LifecycleMachine": "machine",
     "ManagerHost": "host",
     "Observer": "observer",
     "Request": "strategies",
     "Schedule": "strategies",
     "Step": "strategies",
+    "SyncLifecycleMachine": "machine",
+    "SyncManagerHost": "host",
     "TransitionRecord": "capture",
     "capture_transitions": "capture",
     "completion_orders": "strategies",
+    "open_arguments": "program",
+    "programs": "program",
     "reference_keys": "observer",
+    "run_program": "program",
     "request_streams": "strategies",
     "run_schedule": "strategies",
     "schedules": "strategies",

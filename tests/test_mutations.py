@@ -1,9 +1,10 @@
 """Test the test: the real bugs of FAILURES.md, injected one at a time into a
-subclass of OffloadManager, must each make the stateful suite fail.
+subclass of the core, must each make the property suite fail.
 
 Each mutant is the smallest faithful restatement of what went wrong in the serving
-systems (see the F-number); the suite runs it with the CI settings and must raise.
-For F1 the suite must also shrink the failure to a schedule of at most 8 steps.
+systems (see the F-number); the core suite (kvoffload.testing's programs on
+CoreLifecycleMachine) runs it with the CI budget and must raise. For F1 the suite
+must also shrink the failure to a schedule of at most 8 steps, which it prints.
 """
 
 from __future__ import annotations
@@ -13,42 +14,45 @@ from array import array
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import HypothesisException
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.abc import Transfer
+from kvoffload.core.offload import OffloadCore
+from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.keys import chain_keys_packed, pack_tokens
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.manager import OffloadManager
-from kvoffload.testing import LifecycleMachine
+from kvoffload.lifecycle.table import EVENT_INDEX
+from kvoffload.testing import CoreLifecycleMachine, LifecycleMachine, open_arguments, programs, run_program
 
 _FINISHING = LifecycleState.FINISHING.value
+_DONE = EVENT_INDEX["chunk_done"]
+_FAILED = EVENT_INDEX["chunk_failed"]
 
 
-class RoutedByRequestId(OffloadManager):
+class RoutedByRequestId(OffloadCore):
     """F1: a completion is applied to the newest live lifecycle with the transfer's
     request id, not to the lifecycle that issued it."""
 
-    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
-        same_rid = [lc for lc in self._live.values() if lc.rid == t.lifecycle.rid]
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        same_rid = [lc for lc in self.live.values() if lc.rid == t.lifecycle.rid]
         if same_rid:
             t.lifecycle = same_rid[-1]
-        super()._deliver(t, error, now)
+        super()._deliver_one(t, error, now)
 
 
-class FreedMidDecode(OffloadManager):
+class FreedMidDecode(OffloadCore):
     """F3: a chunk's device pages go back to the pool when its copy completes, while
     the request is still decoding."""
 
-    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
-        super()._deliver(t, error, now)
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        super()._deliver_one(t, error, now)
         if error is None and not t.lifecycle.released:
             self.device_pool.free(t.device_pages)
 
 
-class FirstCompletionReleases(OffloadManager):
+class FirstCompletionReleases(OffloadCore):
     """F5: a finished request with two chunks in flight is released by the first."""
 
     def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
@@ -57,22 +61,22 @@ class FirstCompletionReleases(OffloadManager):
         super()._fire(lc, e, now)
 
 
-class ReleasedTwice(OffloadManager):
+class ReleasedTwice(OffloadCore):
     """F8: the completion path frees the device pages again after the finish path did."""
 
     def _release(self, lc: Lifecycle) -> None:
         self._last_released = (lc, list(lc.device_pages))
         super()._release(lc)
 
-    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
-        super()._deliver(t, error, now)
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        super()._deliver_one(t, error, now)
         released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
         if released is not None and released[0] is t.lifecycle:
             self._last_released = None
             self.device_pool.free(released[1])  # the second release
 
 
-class KeysAtCompletion(OffloadManager):
+class KeysAtCompletion(OffloadCore):
     """F11: keys are computed when a chunk completes, chained from per-request state
     updated by completions (so out-of-order completions chain from the wrong page)."""
 
@@ -81,31 +85,34 @@ class KeysAtCompletion(OffloadManager):
         self._tokens: dict[int, array[int]] = {}
         self._last_key: dict[int, str | None] = {}
 
-    def _submit(self, lc: Lifecycle, n: int) -> bool:
+    def _submit(self, lc: Lifecycle, n: int, ready: Any = None) -> bool:
         tail = array(lc._tail.typecode, lc._tail)
         self._last_key.setdefault(lc.id, lc.chain_key)
-        submitted = super()._submit(lc, n)
+        submitted = super()._submit(lc, n, ready)
         if submitted:
-            t = next(reversed(self._inflight.values()))
+            t = next(reversed(self.inflight.values()))
             self._tokens[t.id] = tail[: t.n_tokens]
         return submitted
 
-    def _deliver(self, t: Transfer, error: BaseException | None, now: float | None = None) -> None:
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
         prev = self._last_key.get(t.lifecycle.id)
         t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
         self._last_key[t.lifecycle.id] = t.keys[-1]
-        super()._deliver(t, error, now)
+        super()._deliver_one(t, error, now)
 
 
-from kvoffload.lifecycle.table import EVENT_INDEX  # noqa: E402
+class RefusalEscapes(OffloadCore):
+    """F20: the copy engine refuses a deferred chunk's retry, and the refusal escapes
+    the background step that retried it (kvoffload v0.1: the delivery task died, the
+    manager exited, the lifecycle stayed FINISHING for ever)."""
 
-_DONE = EVENT_INDEX["chunk_done"]
-_FAILED = EVENT_INDEX["chunk_failed"]
+    def _refused(self, lc: Lifecycle, npages: int, error: BaseException) -> None:
+        raise error
 
-#: The CI budget of one mutant: the suite's own example count, no shrinking but for F1.
+
+#: The CI budget of one mutant: the core suite's own example count.
 CI = settings(
-    max_examples=500,
-    stateful_step_count=30,
+    max_examples=2000,
     derandomize=True,
     database=None,
     deadline=None,
@@ -113,14 +120,28 @@ CI = settings(
 )
 
 
-def _machine(manager: type[OffloadManager]) -> type[LifecycleMachine]:
-    return type(f"SuiteOn{manager.__name__}", (LifecycleMachine,), {"manager_class": manager})
+def _machine(core: type[OffloadCore]) -> type[CoreLifecycleMachine]:
+    """The core suite's machine on ``core``."""
+    return type(f"SuiteOn{core.__name__}", (CoreLifecycleMachine,), {"core_class": core})
 
 
-def _run(manager: type[OffloadManager], cfg: settings) -> BaseException:
-    """Run the suite on ``manager``; return what it raised."""
+def _driver_machine(core: type[OffloadCore]) -> type[LifecycleMachine]:
+    """The asyncio driver's machine on a manager whose core is ``core``."""
+    manager = type(f"ManagerOn{core.__name__}", (OffloadManager,), {"_core_class": core})
+    return type(f"DriverSuiteOn{core.__name__}", (LifecycleMachine,), {"manager_class": manager})
+
+
+def _run(core: type[OffloadCore], cfg: settings) -> BaseException:
+    """Run the core suite on ``core``; return what it raised."""
+    machine = _machine(core)
+
+    @cfg
+    @given(open_kwargs=open_arguments(), program=programs())
+    def suite(open_kwargs: dict[str, Any], program: list[int]) -> None:
+        run_program(machine, open_kwargs, program)
+
     with pytest.raises(BaseException) as info:
-        run_state_machine_as_test(_machine(manager), settings=cfg)
+        suite()
     return info.value
 
 
@@ -137,19 +158,19 @@ def _schedules(error: BaseException) -> list[list[str]]:
 
 @pytest.mark.parametrize(
     "mutant",
-    [FreedMidDecode, FirstCompletionReleases, ReleasedTwice, KeysAtCompletion],
+    [FreedMidDecode, FirstCompletionReleases, ReleasedTwice, KeysAtCompletion, RefusalEscapes],
     ids=lambda m: m.__name__,
 )
-def test_suite_catches_the_catalogued_bug(mutant: type[OffloadManager]) -> None:
+def test_suite_catches_the_catalogued_bug(mutant: type[OffloadCore]) -> None:
     """The suite fails on each mutant within the CI budget (generate phase only)."""
     error = _run(mutant, settings(CI, phases=[Phase.explicit, Phase.generate]))
-    # The suite failed: a check, or the manager's own error (PageError, InvalidTransition)
-    # surfacing from a step; not hypothesis giving up (health check, unsatisfiable).
+    # The suite failed: a check, or the core's own error (PageError, InvalidTransition,
+    # a refusal that escaped) surfacing from a step; not hypothesis giving up.
     assert not isinstance(error, HypothesisException), repr(error)
 
 
 def test_suite_catches_and_shrinks_routing_by_request_id(capsys: pytest.CaptureFixture[str]) -> None:
-    """F1: the suite fails on a manager that routes completions by request id, and
+    """F1: the suite fails on a core that routes completions by request id, and
     shrinks the failure to a schedule of at most 8 steps, which it prints."""
     error = _run(RoutedByRequestId, settings(CI, report_multiple_bugs=False))
     schedules = _schedules(error)

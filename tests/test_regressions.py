@@ -17,13 +17,15 @@ from test_mutations import (
     FirstCompletionReleases,
     FreedMidDecode,
     KeysAtCompletion,
+    RefusalEscapes,
     ReleasedTwice,
     RoutedByRequestId,
     _machine,
 )
 
 import kvoffload as kvo
-from kvoffload.testing import LifecycleMachine, SimBackend
+from kvoffload.core.offload import OffloadCore
+from kvoffload.testing import CoreLifecycleMachine, LifecycleMachine, SimBackend, SyncLifecycleMachine
 
 
 @pytest.mark.asyncio
@@ -183,20 +185,45 @@ def f11_keys_at_completion(state: LifecycleMachine) -> None:
     state.teardown()
 
 
-SHRUNK: dict[str, tuple[Callable[[LifecycleMachine], None], type[kvo.OffloadManager]]] = {
+def f20_refusal_escapes(state: LifecycleMachine) -> None:
+    """F20: a deferred chunk's retry is refused by the copy engine."""
+    state.open(
+        page_size=2,
+        stride_pages=1,
+        device_pages=6,
+        spare_host_pages=0,
+        on_host_full="wait",
+        offload_prompt=True,
+        storage=False,
+        first_prompt=[0, 0],
+    )
+    state.outside_rules_hold()
+    state.admit(slot=1, prompt=[0, 0, 0, 0])
+    state.outside_rules_hold()
+    state.refuse_submissions(on=True)
+    state.outside_rules_hold()
+    state.complete(pos=1)
+    state.outside_rules_hold()
+    state.teardown()
+
+
+SHRUNK: dict[str, tuple[Callable[[LifecycleMachine], None], type[OffloadCore]]] = {
     "F1": (f1_routed_by_request_id, RoutedByRequestId),
     "F3": (f3_freed_mid_decode, FreedMidDecode),
     "F5": (f5_first_completion_releases, FirstCompletionReleases),
     "F8": (f8_released_twice, ReleasedTwice),
     "F11": (f11_keys_at_completion, KeysAtCompletion),
+    "F20": (f20_refusal_escapes, RefusalEscapes),
 }
 
 
 @pytest.mark.parametrize("bug", sorted(SHRUNK))
-def test_shrunk_schedule_holds_on_the_real_manager(bug: str) -> None:
-    """The catalogued bug's shortest schedule: every check holds on OffloadManager."""
+@pytest.mark.parametrize("machine", [LifecycleMachine, SyncLifecycleMachine, CoreLifecycleMachine])
+def test_shrunk_schedule_holds_on_every_layer(bug: str, machine: type[LifecycleMachine]) -> None:
+    """The catalogued bug's shortest schedule: every check holds on the real core, and
+    through each driver."""
     schedule, _ = SHRUNK[bug]
-    schedule(LifecycleMachine())
+    schedule(machine())
 
 
 @pytest.mark.parametrize("bug", sorted(SHRUNK))

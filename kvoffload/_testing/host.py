@@ -1,4 +1,10 @@
-"""ManagerHost: an OffloadManager kept open on its own event loop between sync steps.
+"""Hosts: a manager held open between synchronous steps, either driver.
+
+:class:`ManagerHost` keeps an :class:`~kvoffload.OffloadManager` open on its own event
+loop; :class:`SyncManagerHost` opens a :class:`~kvoffload.SyncOffloadManager` on this
+thread. Both have ``call(fn)`` (run one step, then deliver every signalled completion
+and finished storage write), ``run(coro_fn)`` and ``close()``, so one scenario runs
+under both drivers.
 
 A hypothesis state machine is synchronous: each rule is a plain call. The host enters
 ``async with mgr`` in a task on a private ``asyncio.Runner`` and keeps that task
@@ -15,9 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from kvoffload.drivers.asyncio import OffloadManager
+    from collections.abc import Awaitable
 
-__all__ = ["ManagerHost"]
+    from kvoffload.drivers.asyncio import OffloadManager
+    from kvoffload.drivers.sync import SyncOffloadManager
+
+__all__ = ["ManagerHost", "SyncManagerHost"]
 
 _T = TypeVar("_T")
 
@@ -89,6 +98,18 @@ class ManagerHost:
             self.raise_if_stopped()
             raise AssertionError(f"settle() hung for {self.hang_s}s: {self.mgr!r}")
 
+    def run(self, fn: Callable[[], Awaitable[_T]]) -> _T:
+        """Await ``fn()`` on the loop (e.g. ``lambda: mgr.lookup(tokens)``), then settle."""
+        assert self._runner is not None, "the host is closed"
+        self.raise_if_stopped()
+
+        async def step() -> _T:
+            result = await fn()
+            await self._settle()
+            return result
+
+        return self._runner.run(step())
+
     def close(self) -> None:
         """Leave the manager's context (it drains in-flight copies) and close the loop."""
         runner = self._runner
@@ -106,3 +127,43 @@ class ManagerHost:
         finally:
             runner.close()
             self._runner = None
+
+
+class SyncManagerHost:
+    """Opens ``mgr`` (a :class:`~kvoffload.SyncOffloadManager`) on this thread;
+    :meth:`call` runs one step, then polls until every signalled completion was
+    delivered and every storage write came back (at most ``hang_s`` seconds)."""
+
+    stopped = False
+
+    def __init__(self, mgr: SyncOffloadManager, hang_s: float = 10.0) -> None:
+        self.mgr = mgr
+        self.hang_s = hang_s
+        mgr.open()
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        """Call ``fn``, then poll until nothing signalled or written is left."""
+        result = fn()
+        self.settle()
+        return result
+
+    def settle(self) -> None:
+        import time
+
+        mgr = self.mgr
+        deadline = time.monotonic() + self.hang_s
+        while True:
+            mgr.poll()
+            if not mgr.ready() and not mgr.writes_pending:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"poll() did not deliver everything within {self.hang_s}s: {mgr!r}")
+            mgr.wait_progress(0.01)
+
+    def run(self, fn: Callable[[], Awaitable[_T]] | Callable[[], _T]) -> _T:
+        """Call ``fn`` (a plain call here: the sync manager returns values)."""
+        return self.call(fn)  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Close the manager (it drains in-flight copies, at most its drain timeout)."""
+        self.mgr.close()

@@ -2,12 +2,17 @@
 
 :class:`LifecycleMachine` drives an :class:`~kvoffload.OffloadManager` on a checked
 :class:`~kvoffload.testing.SimBackend` through admits, extends, finishes, aborts,
-completions and failures in any order, dropped references, a full host pool and the
-retraction barrier, and checks after every step what :class:`Observer` checks. It owns
-its event loop (a :class:`ManagerHost` per example), so it needs no pytest plugin.
+completions and failures in any order, dropped references, a full host pool, the
+retraction barrier, refused submissions, storage failures and closing mid-run, and
+checks after every step what :class:`Observer` checks. The same rules drive the
+synchronous driver (:class:`SyncLifecycleMachine`) and the bare core
+(:class:`CoreLifecycleMachine`, fast: no event loop, no bytes). None attaches a
+listener unless the example draws ``events=True``, so the drivers run the production
+delivery path; with it, transitions are replayed on the ``transitions`` oracle.
 
-Users subclass it: override the ``*_request`` hooks to go through their own scheduler,
-add rules, or set ``manager_class``. ``MyMachine.TestCase`` is a unittest case.
+Users subclass :class:`LifecycleMachine`: override the ``*_request`` hooks to go
+through their own scheduler, add rules, or set ``manager_class``.
+``MyMachine.TestCase`` is a unittest case.
 """
 
 from __future__ import annotations
@@ -19,15 +24,20 @@ from typing import Any, ClassVar, TypeVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvoffload._testing.host import ManagerHost
+from kvoffload._testing.host import ManagerHost, SyncManagerHost
 from kvoffload._testing.observer import KV_SHAPE, CheckedSimBackend, Observer
+from kvoffload.abc import WriteJob
 from kvoffload.config import OffloadConfig
-from kvoffload.errors import InvalidTransition, PoolExhausted
+from kvoffload.core.offload import OffloadCore
+from kvoffload.drivers.asyncio import OffloadManager
+from kvoffload.drivers.sync import SyncOffloadManager
+from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
-from kvoffload.drivers.asyncio import OffloadManager
+from kvoffload.storage.memory import MemoryStorage
+from kvoffload.storage.writer import WritePolicy
 
-__all__ = ["LifecycleMachine"]
+__all__ = ["CoreLifecycleMachine", "FlakyStorage", "LifecycleMachine", "SyncLifecycleMachine"]
 
 _T = TypeVar("_T")
 _P, _O, _F, _R = (
@@ -40,9 +50,24 @@ _P, _O, _F, _R = (
 _HANG_S = 10.0
 #: The virtual ``host_wait_s`` of the ``"wait"`` policy; ``advance_clock`` steps past it.
 _HOST_WAIT_S = 10.0
+#: One try per storage write, no backoff: a failure is one call.
+_WRITE_POLICY = WritePolicy(attempts=1, backoff_s=0)
 
 _slots = st.integers(0, 2)
 _tokens = st.integers(0, 3)
+
+
+class FlakyStorage(MemoryStorage):
+    """A memory store that fails every write while ``down`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        if self.down:
+            raise StorageError("simulated: the store is down")
+        await super().put(keys, pages)
 
 
 def _report_coverage(seen: set[str]) -> None:
@@ -65,21 +90,29 @@ class LifecycleMachine(RuleBasedStateMachine):
     its position among the in-flight ones, so completions come in any order.
     """
 
-    #: The manager under test (the mutation meta-tests put a broken one here).
-    manager_class: ClassVar[type[OffloadManager]] = OffloadManager
+    #: The manager under test (the mutation meta-tests put one with a broken core here).
+    manager_class: ClassVar[type[Any]] = OffloadManager
     #: The request ids the rules draw from.
     rids: ClassVar[tuple[str, ...]] = ("r0", "r1", "r2")
+    #: Whether the pools carry KV bytes that every copy's result is checked against.
+    check_bytes: ClassVar[bool] = True
+    #: Whether rules that await (retract, wait_quiescent) apply: the asyncio driver only.
+    awaits: ClassVar[bool] = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.observer = Observer()
+        self.observer = Observer(check_bytes=self.check_bytes)
         self.now = 0.0
-        self.mgr: OffloadManager | None = None
+        self.mgr: Any = None
         self.backend: CheckedSimBackend | None = None
+        self.storage: FlakyStorage | None = None
         # held: the lifecycles the caller still references, per rid, oldest first.
         self.held: dict[str, list[Lifecycle]] = {rid: [] for rid in self.rids}
         self.waiters: list[asyncio.Task[None]] = []
         self.host: ManagerHost | None = None
+        # closed: the manager was closed mid-run; delivered: it still delivers completions.
+        self.closed = False
+        self.delivering = True
 
     # --- hooks a user overrides to go through their own scheduler ----------------------
 
@@ -87,18 +120,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The manager's config for this example (KV rows must stay int32 ``KV_SHAPE``)."""
         return OffloadConfig(kv_shape=KV_SHAPE, dtype="int32", host_wait_s=_HOST_WAIT_S, **sizes)
 
-    def make_manager(
-        self, config: OffloadConfig, backend: CheckedSimBackend, storage: bool
-    ) -> OffloadManager:
+    def make_manager(self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None) -> Any:
         """Build the manager under test (``manager_class`` by default)."""
         return self.manager_class(
-            config, backend=backend, storage="memory" if storage else None, clock=lambda: self.now
+            config,
+            backend=backend,
+            storage=storage,
+            clock=lambda: self.now,
+            write_policy=_WRITE_POLICY,
+            on_released=self.observer.on_released,
         )
 
     def admit_request(self, rid: str, prompt: list[int]) -> Lifecycle:
         """Admit a request; returns its lifecycle. Default: ``mgr.admit``."""
-        assert self.mgr is not None
-        return self.mgr.admit(rid, prompt)
+        return self.mgr.admit(rid, prompt)  # type: ignore[no-any-return]
 
     def commit_tokens(self, lc: Lifecycle, tokens: list[int]) -> None:
         """Tokens were decoded for ``lc``. Default: ``lc.extend``."""
@@ -112,28 +147,56 @@ class LifecycleMachine(RuleBasedStateMachine):
         """``lc``'s request was cancelled. Default: ``lc.abort``."""
         lc.abort()
 
-    # --- plumbing ------------------------------------------------------------------------
+    # --- plumbing (the driver's) ---------------------------------------------------------
+
+    @property
+    def core(self) -> OffloadCore:
+        """The core under the manager."""
+        return self.mgr.core  # type: ignore[no-any-return]
+
+    def open_manager(self) -> None:
+        """Open the manager built by :meth:`make_manager`."""
+        self.host = ManagerHost(self.mgr, hang_s=_HANG_S)
 
     def run(self, fn: Callable[[], _T]) -> _T:
         """Call ``fn`` on the machine's event loop, then wait until every signalled
-        completion was delivered. Raises if the manager's tasks crashed or hung."""
+        completion was delivered. Raises if the manager's tasks crashed or hung. Once
+        the manager is closed, only calls ``fn``: nothing delivers any more."""
+        if not self.delivering:
+            return fn()
         assert self.host is not None
         return self.host.call(fn)
+
+    def close_manager(self) -> None:
+        """Leave the manager's context now (copies the test never completes are not
+        waited for: its drain times out at once, as after an error)."""
+        assert self.host is not None
+        self.host.close()
+        self.delivering = False
+
+    def tick(self) -> None:
+        self.run(self.mgr.tick)
+
+    def finish_run(self) -> None:
+        """End of an example: close what is open."""
+        if self.host is not None:
+            self.host.close()
+
+    # --- helpers -------------------------------------------------------------------------
 
     def _newest(self, slot: int) -> Lifecycle | None:
         held = self.held[self.rids[slot % len(self.rids)]]
         return held[-1] if held else None
 
     def _expect(self, lc: Lifecycle, legal: bool, action: Callable[[], None], what: str) -> bool:
-        """Run ``action``; an illegal one must raise InvalidTransition and change nothing."""
-        assert self.mgr is not None
+        """Run ``action``; an illegal or refused one must raise and change nothing."""
         before = (self.mgr.statistics(), lc.state, lc.inflight, lc.committed, list(lc.device_pages))
         try:
             self.run(action)
         except InvalidTransition:
             assert not legal, f"{what} raised InvalidTransition in {before[1].name}"
-        except PoolExhausted:
-            pass
+        except (PoolExhausted, BackendError):
+            pass  # no device page, or a refused submission: nothing may change
         else:
             assert legal, f"{what} was accepted in {before[1].name}"
             return True
@@ -152,6 +215,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         offload_prompt=st.booleans(),
         storage=st.booleans(),
         first_prompt=st.lists(_tokens, max_size=12),
+        events=st.booleans(),
     )
     def open(
         self,
@@ -163,9 +227,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         offload_prompt: bool,
         storage: bool,
         first_prompt: list[int] | None = None,
+        events: bool = False,
     ) -> None:
         """Open a small manager; admit ``first_prompt`` on ``rids[0]`` (so that no example
-        is without a request) unless it is None."""
+        is without a request) unless it is None. ``events``: attach the observer's
+        listener (the slow path, replayed on the oracle)."""
         config = self.make_config(
             page_size=page_size,
             stride=page_size * stride_pages,
@@ -174,27 +240,30 @@ class LifecycleMachine(RuleBasedStateMachine):
             on_host_full=on_host_full,
             offload_prompt=offload_prompt,
             watchdog_interval_s=3600.0,
+            drain_timeout_s=0.0,
         )
         self.backend = CheckedSimBackend(self.observer)
-        self.mgr = self.make_manager(config, self.backend, storage)
-        self.observer.attach(self.mgr)
-        self.host = ManagerHost(self.mgr, hang_s=_HANG_S)
+        self.storage = FlakyStorage() if storage else None
+        self.mgr = self.make_manager(config, self.backend, self.storage)
+        self.observer.attach(self.core, events=events)
+        self.open_manager()
         if first_prompt is not None:
             self.admit(0, first_prompt)
 
+    @precondition(lambda self: not self.closed)
     @rule(slot=_slots, prompt=st.lists(_tokens, max_size=12))
     def admit(self, slot: int, prompt: list[int]) -> None:
-        assert self.mgr is not None
         rid = self.rids[slot % len(self.rids)]
         before = self.mgr.statistics()
         try:
             lc = self.run(lambda: self.admit_request(rid, prompt))
-        except PoolExhausted:
+        except (PoolExhausted, BackendError):
             assert self.mgr.statistics() == before, "a refused admit changed the manager"
             return
         self.observer.on_admit(lc, prompt)
         self.held[rid].append(lc)
 
+    @precondition(lambda self: not self.closed)
     @rule(slot=_slots, tokens=st.lists(_tokens, min_size=1, max_size=10))
     def extend(self, slot: int, tokens: list[int]) -> None:
         lc = self._newest(slot)
@@ -206,17 +275,19 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self._expect(lc, legal, lambda: self.commit_tokens(lc, tokens), "extend"):
             self.observer.on_extend(lc, tokens)
 
+    @precondition(lambda self: not self.closed)
     @rule(slot=_slots)
     def finish(self, slot: int) -> None:
         lc = self._newest(slot)
-        if lc is not None:
-            self._expect(lc, lc.state in (_P, _O), lambda: self.finish_request(lc), "finish")
+        if lc is not None and self._expect(lc, lc.state in (_P, _O), lambda: self.finish_request(lc), "finish"):
+            self.observer.on_end(lc, aborted=False)
 
+    @precondition(lambda self: not self.closed)
     @rule(slot=_slots)
     def abort(self, slot: int) -> None:
         lc = self._newest(slot)
-        if lc is not None:
-            self._expect(lc, lc.state is not _R, lambda: self.abort_request(lc), "abort")
+        if lc is not None and self._expect(lc, lc.state is not _R, lambda: self.abort_request(lc), "abort"):
+            self.observer.on_end(lc, aborted=True)
 
     def _pick(self, positions: Sequence[int]) -> list[Any]:
         assert self.backend is not None
@@ -248,7 +319,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.backend is not None and len(self.backend.pending) >= 2)
     @rule(positions=st.lists(st.integers(0, 7), min_size=2, max_size=4), fail_first=st.booleans())
     def complete_batch(self, positions: list[int], fail_first: bool) -> None:
-        """Several completions signalled before the delivery task runs: one batch."""
+        """Several completions signalled before the driver delivers: one batch."""
         backend = self.backend
         assert backend is not None
         picked = self._pick(positions)
@@ -269,16 +340,41 @@ class LifecycleMachine(RuleBasedStateMachine):
         if held:
             self.observer.dropped(held.pop(0))
 
+    @precondition(lambda self: not self.closed)
     @rule()
     def exhaust_host_pool(self) -> None:
         """Every decoding request commits a stride at once: more chunks than host pages."""
-        assert self.mgr is not None
         stride = self.mgr.config.stride
         for held in self.held.values():
             for lc in held:
                 if lc.state in (_P, _O):
                     self._extend(lc, [len(lc.rid) % 4] * stride)
 
+    @precondition(lambda self: self.backend is not None and not self.closed)
+    @rule(on=st.booleans())
+    def refuse_submissions(self, on: bool) -> None:
+        """The copy engine refuses (or accepts again) every submission: a caller's call
+        raises with nothing changed; a deferred retry fails that chunk only (F20)."""
+        assert self.backend is not None
+        self.backend.refuse = on
+
+    @precondition(lambda self: self.storage is not None and not self.closed)
+    @rule(down=st.booleans())
+    def storage_down(self, down: bool) -> None:
+        """The storage tier fails (or recovers): writes fail, host pages still return."""
+        assert self.storage is not None
+        self.storage.down = down
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def close(self) -> None:
+        """The manager closes mid-run: live lifecycles are aborted, the idle ones
+        released; copies in flight keep their pages."""
+        self.close_manager()
+        self.closed = True
+        self.observer.on_closed()
+
+    @precondition(lambda self: self.awaits and not self.closed)
     @rule(slot=_slots)
     def retract(self, slot: int) -> None:
         """Retraction: abort and wait until RELEASED; then no copy may read the pages."""
@@ -286,6 +382,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if lc is None:
             return
         pages = list(lc.device_pages)
+        if not lc.released:
+            self.observer.on_end(lc, aborted=True)
         self._spawn(lc.retract(), lambda: self._retracted(lc, pages))
 
     def _retracted(self, lc: Lifecycle, pages: list[int]) -> None:
@@ -294,6 +392,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not any(t.lifecycle is lc for t in self.backend.pending), f"{lc!r} retracted mid-copy"
         assert lc.outcome is not None
 
+    @precondition(lambda self: self.awaits and not self.closed)
     @rule(slot=_slots)
     def wait_quiescent(self, slot: int) -> None:
         """The barrier every free path goes through (F6): when it returns, nothing reads
@@ -316,12 +415,12 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         self.run(lambda: self.waiters.append(asyncio.ensure_future(waiter())))
 
+    @precondition(lambda self: not self.closed)
     @rule(seconds=st.sampled_from([1.0, 2 * _HOST_WAIT_S]))
     def advance_clock(self, seconds: float) -> None:
-        """Virtual time passes; the watchdog tick expires deferrals past host_wait_s."""
-        assert self.mgr is not None
+        """Virtual time passes; the timers tick (deferral expiry and retry)."""
         self.now += seconds
-        self.run(self.mgr.tick)
+        self.tick()
 
     # --- after every step ----------------------------------------------------------------
 
@@ -331,50 +430,196 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         for task in [w for w in self.waiters if w.done()]:
             self.waiters.remove(task)
-            task.result()
-        self.observer.check(self.backend.pending)
+            if not self.closed:
+                task.result()
+        self.observer.check(self.backend.pending, delivered=self.delivering)
 
     def teardown(self) -> None:
         """Finish what is left, complete every copy, and check that nothing
         leaked: every lifecycle RELEASED, both pools empty, the ledger balanced."""
-        host, mgr, backend = self.host, self.mgr, self.backend
-        if host is None or mgr is None or backend is None:
+        backend = self.backend
+        if self.mgr is None or backend is None:
             return
         _report_coverage(self.observer.seen)
         try:
-            if host.stopped:
+            if self.stopped():
                 return  # the manager crashed: that step already failed
-            self._drain_all()
-            self.observer.check(backend.pending)
-            self._check_empty()
+            if not self.closed:
+                backend.refuse = False
+                if self.storage is not None:
+                    self.storage.down = False
+                self._drain_all()
+                self.observer.check(backend.pending)
+                self._check_empty()
         finally:
-            host.close()
+            self.finish_run()
             for task in self.waiters:  # a crashed run's waiters: their errors are known
                 if task.done() and not task.cancelled():
                     task.exception()
             self.held.clear()
 
+    def stopped(self) -> bool:
+        """Whether the manager stopped on its own (crashed)."""
+        return self.host is not None and self.host.stopped and not self.closed
+
     def _drain_all(self) -> None:
-        mgr, backend = self.mgr, self.backend
-        assert mgr is not None and backend is not None
-        for lc in mgr.lifecycles():
+        backend = self.backend
+        assert backend is not None
+        for lc in self.mgr.lifecycles():
             if lc.state in (_P, _O):
                 self.run(lc.finish)
+                self.observer.on_end(lc, aborted=False)
         for _ in range(10_000):
-            if not backend.pending:
+            if not backend.pending and not self.core.deferred:
                 break
-            self.run(lambda: backend.complete(backend.pending[0]))
+            if backend.pending:
+                self.run(lambda: backend.complete(backend.pending[0]))
+            else:
+                self.now += 2 * _HOST_WAIT_S
+                self.tick()
+        self.settle_writes()
+
+    def settle_writes(self) -> None:
+        """Every storage write finished (the drivers' writers run on their own)."""
+        self.run(lambda: None)
 
     def _check_empty(self) -> None:
-        mgr, backend = self.mgr, self.backend
-        assert mgr is not None and backend is not None
+        backend = self.backend
+        assert backend is not None
         for task in self.waiters:
             assert task.done(), "a retract()/wait_quiescent() waiter was never woken"
             task.result()
-        stats = mgr.statistics()
-        assert stats.live_lifecycles == 0 and not backend.pending, f"left live: {mgr.lifecycles()}"
+        stats = self.mgr.statistics()
+        assert stats.live_lifecycles == 0 and not backend.pending, f"left live: {self.mgr.lifecycles()}"
         assert stats.device_pages_used == 0, f"{stats.device_pages_used} device page(s) leaked"
         assert stats.host_pages_used == 0, f"{stats.host_pages_used} host page(s) leaked"
         for held in self.held.values():
             for lc in held:
                 assert lc.outcome in (Outcome.COMPLETED, Outcome.ABORTED, Outcome.FAILED)
+
+
+class SyncLifecycleMachine(LifecycleMachine):
+    """The same rules through a :class:`~kvoffload.SyncOffloadManager`: each step is a
+    plain call on this thread, then ``poll()`` until everything signalled is delivered
+    and every storage write came back."""
+
+    manager_class: ClassVar[type[Any]] = SyncOffloadManager
+    awaits: ClassVar[bool] = False
+
+    def open_manager(self) -> None:
+        self.sync_host = SyncManagerHost(self.mgr, hang_s=_HANG_S)
+
+    def run(self, fn: Callable[[], _T]) -> _T:
+        if not self.delivering:
+            return fn()
+        return self.sync_host.call(fn)
+
+    def close_manager(self) -> None:
+        try:
+            self.mgr.close(timeout=0.0)
+        except DrainTimeout:
+            pass  # copies the test never completes: their pages stay held
+        self.delivering = False
+
+    def tick(self) -> None:
+        self.run(self.mgr.tick)
+
+    def finish_run(self) -> None:
+        if not self.closed:
+            try:
+                self.mgr.close(timeout=0.0)
+            except DrainTimeout:
+                pass
+
+    def stopped(self) -> bool:
+        return False
+
+
+class CoreLifecycleMachine(LifecycleMachine):
+    """The same rules on a bare :class:`~kvoffload.core.offload.OffloadCore`: no event
+    loop, no threads, no bytes - the core's bookkeeping alone, fast. Storage writes are
+    finished by the rule ``write`` (stored or failed, in any order); closing is
+    ``core.close()``, after which completions are still delivered."""
+
+    check_bytes: ClassVar[bool] = False
+    awaits: ClassVar[bool] = False
+    #: The core under test (the mutation meta-tests put a broken one here).
+    core_class: ClassVar[type[OffloadCore]] = OffloadCore
+
+    def __init__(self) -> None:
+        super().__init__()
+        # writes: write jobs the core queued and the "store" has not finished.
+        self.writes: list[WriteJob] = []
+
+    def make_manager(self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None) -> Any:
+        device, host = backend.create_pools(config)
+        backend.open(device, host)
+        core = self.core_class(
+            config,
+            device_pool=device,
+            host_pool=host,
+            accept=backend.submit,
+            clock=lambda: self.now,
+            storage=storage is not None,
+        )
+        core.host.on_released = self.observer.on_released  # type: ignore[attr-defined]
+        return core
+
+    @property
+    def core(self) -> OffloadCore:
+        return self.mgr  # type: ignore[no-any-return]
+
+    def open_manager(self) -> None:
+        pass
+
+    def run(self, fn: Callable[[], _T]) -> _T:
+        result = fn()
+        assert self.backend is not None
+        batch = self.backend.take_completions()
+        if batch:
+            self._released(self.mgr.complete(batch))
+        self.writes += self.mgr.take_writes()
+        return result
+
+    def _released(self, released: list[Lifecycle]) -> None:
+        for lc in released:
+            self.observer.on_released(lc)
+
+    def close_manager(self) -> None:
+        self._released(self.mgr.close())  # the core goes on delivering what is in flight
+
+    def tick(self) -> None:
+        self.run(lambda: self._released(self.mgr.tick()))
+
+    def finish_run(self) -> None:
+        pass
+
+    def stopped(self) -> bool:
+        return False
+
+    @precondition(lambda self: bool(self.writes))
+    @rule(pos=st.integers(0, 7), stored=st.booleans())
+    def write(self, pos: int, stored: bool) -> None:
+        """The store finishes the write at ``pos`` (stored or failed), in any order."""
+        job = self.writes.pop(pos % len(self.writes))
+        error = None if stored else StorageError("down")
+        self.run(lambda: self._released(self.mgr.write_done(job.id, stored, error=error)))
+
+    def settle_writes(self) -> None:
+        while self.writes:
+            job = self.writes.pop(0)
+            self.run(lambda: self._released(self.mgr.write_done(job.id, True)))  # noqa: B023 - called at once
+
+    def teardown(self) -> None:
+        if self.closed and self.backend is not None and self.mgr is not None:
+            # Closed: completions are still delivered; everything must end released.
+            for _ in range(10_000):
+                if not self.backend.pending:
+                    break
+                self.run(lambda: self.backend.complete(self.backend.pending[0]))  # type: ignore[union-attr]
+            self.settle_writes()
+            self.observer.check(self.backend.pending)
+            self.closed = False
+            self._check_empty()
+            return
+        super().teardown()

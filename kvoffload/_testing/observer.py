@@ -1,11 +1,26 @@
-"""What the property suite checks from outside the manager, after every step.
+"""What the property suite checks from outside the core, after every step.
 
 The observer sees what a user could see: the lifecycles ``admit`` returned, the
-transfers handed to the backend, the events of ``add_listener`` and the page pools.
-It keeps its own model (tokens per lifecycle, the issuer of every transfer, each
-lifecycle's transition log) and holds no strong reference to a lifecycle, so the
-garbage check (F2) means something. Internal fields are read only where the public
-surface has no equivalent (a lifecycle's flags at the moment of a transition).
+transfers handed to the backend, the page pools, and what the test itself did to each
+lifecycle (finished, aborted, which copies it completed or failed). It keeps its own
+model and derives from it, independently of the compiled table, what must hold:
+
+- each lifecycle's state, from the spec's meaning of the states (PENDING: no copy in
+  flight; OFFLOADING: copies in flight, still decoding; FINISHING: finished or
+  aborted, copies in flight or deferred; RELEASED: finished or aborted, none left);
+- each lifecycle's in-flight count equals the backend's pending transfers it issued
+  (a completion delivered to the wrong lifecycle breaks two counts: F1);
+- the keys of every delivered transfer equal an independent recomputation of the
+  chain over the tokens that lifecycle committed (F11), and the bytes every copy moved
+  are the KV written for those tokens (F3/F4; when ``check_bytes``);
+- every device free happens once and never under a pending copy (F3/F4/F8);
+- outcomes: ABORTED when aborted, FAILED when one of its copies failed, else COMPLETED
+  (a refused tail may also make it FAILED);
+- a dropped, released lifecycle is garbage (F2).
+
+It holds no strong reference to a lifecycle. No listener is needed, so the drivers run
+their production delivery path; when the machine attaches one (``events=True``) every
+lifecycle's transition log is also replayed on the ``transitions`` oracle of the spec.
 """
 
 from __future__ import annotations
@@ -19,14 +34,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.backends.sim import SimBackend
-from kvoffload.lifecycle.spec import LifecycleState
+from kvoffload.errors import BackendError
+from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
+    from kvoffload.core.offload import OffloadCore
     from kvoffload.lifecycle.core import Lifecycle
-    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["KV_SHAPE", "CheckedSimBackend", "Observer", "reference_keys"]
 
@@ -42,14 +58,15 @@ _P, _O, _F, _R = (
 )
 
 
-def reference_keys(tokens: Sequence[int], page_size: int) -> list[str]:
-    """The SGLang HiCache chain over the whole pages of ``tokens``, from the root.
+def reference_keys(tokens: Sequence[int], page_size: int, seed: str | None = None) -> list[str]:
+    """The SGLang HiCache chain over the whole pages of ``tokens``, from ``seed`` (the
+    root when ``None``).
 
     Written with hashlib and struct only, independently of :mod:`kvoffload.keys`:
     ``key(page) = sha256(previous key bytes + tokens as uint32 little-endian)``.
     """
     keys: list[str] = []
-    prev = b""
+    prev = bytes.fromhex(seed) if seed else b""
     for off in range(0, len(tokens) - len(tokens) % page_size, page_size):
         h = hashlib.sha256(prev)
         h.update(struct.pack(f"<{page_size}I", *tokens[off : off + page_size]))
@@ -80,11 +97,16 @@ class _LcModel:
     ref: weakref.ReferenceType[Lifecycle]
     # tokens: every token committed so far (prompt, then extends), as the caller sent them.
     tokens: list[int] = field(default_factory=list)
-    # delivered: completions of this lifecycle's transfers signalled by the test.
-    # Invariant (after settle): delivered == chunk_events
-    delivered: int = 0
-    chunk_events: int = 0
-    # log: (trigger, from, to, copying, deferred) of every transition, in order.
+    # ended: finish() or abort() was accepted; aborted: abort() was.
+    ended: bool = False
+    aborted: bool = False
+    # failed: a copy of this lifecycle was failed by the test; refused: a chunk of it
+    # was refused by the backend outside a caller's call (its tail may be lost).
+    failed: bool = False
+    refused: bool = False
+    # reported: on_released was called for it (exactly once, at RELEASED).
+    reported: bool = False
+    # log: (trigger, from, to, copying, deferred) of every transition (events mode only).
     log: list[tuple[str, str, str, bool, bool]] = field(default_factory=list)
     replayed: int = 0
     oracle: Any = None
@@ -116,11 +138,13 @@ class _WatchedDevicePool(DevicePool):
 
 class CheckedSimBackend(SimBackend):
     """A :class:`SimBackend` whose pools hold int32 ``KV_SHAPE`` rows and that tells
-    its observer about every submit and completion."""
+    its observer about every submit, refusal and completion. While ``refuse`` is set,
+    ``submit`` refuses (a device that cannot start a copy)."""
 
     def __init__(self, observer: Observer) -> None:
         super().__init__()
         self.observer = observer
+        self.refuse = False
 
     def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
         args = (config.page_size, config.kv_shape, config.dtype)
@@ -132,11 +156,18 @@ class CheckedSimBackend(SimBackend):
         return device, host
 
     def submit(self, transfer: Transfer) -> None:
+        if self.refuse:
+            self.observer.on_refused(transfer)
+            raise BackendError("simulated: the copy engine refused the submission")
         super().submit(transfer)
         self.observer.on_submit(transfer)
 
     def complete(self, transfer: Transfer) -> None:
-        super().complete(transfer)
+        if self.observer.check_bytes:
+            super().complete(transfer)
+        else:  # the core alone: no bytes to move, only the completion
+            self._take(transfer)
+            self._signal((transfer, None))
         self.observer.on_signal(transfer, ok=True)
 
     def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:
@@ -147,64 +178,67 @@ class CheckedSimBackend(SimBackend):
 class Observer:
     """The outside-world model and checks of the property suite.
 
-    Call :meth:`attach` once the manager exists, :meth:`on_admit` / :meth:`on_extend`
-    after each successful admit / extend (they also write the tokens' KV into the
-    device pages, as the engine would), and :meth:`check` after every step, once every
-    signalled completion was delivered (``await mgr.settle()``).
+    Call :meth:`attach` once the manager (or core) exists, :meth:`on_admit` /
+    :meth:`on_extend` after each successful admit / extend (they also write the tokens'
+    KV into the device pages, as the engine would, when ``check_bytes``),
+    :meth:`on_end` after a successful finish or abort, and :meth:`check` after every
+    step, once every signalled completion was delivered.
     """
 
-    def __init__(self) -> None:
-        self.mgr: OffloadManager | None = None
+    def __init__(self, *, check_bytes: bool = True) -> None:
+        self.core: OffloadCore | None = None
+        self.check_bytes = check_bytes
         self.device: DevicePool | None = None
         self.host: HostPool | None = None
         self.page_size = 1
-        # lcs: every lifecycle admitted, by lifecycle id.
+        # lcs: every lifecycle admitted and not yet collected, by lifecycle id.
         self.lcs: dict[int, _LcModel] = {}
         # transfers: submitted and not yet checked after delivery, by transfer id.
         self.transfers: dict[int, _Submitted] = {}
-        # reached: transfer id -> lifecycle id that the manager's completion event named.
-        self.reached: dict[int, int] = {}
-        # violations: what went wrong inside a manager call, reported at the next check.
+        # violations: what went wrong inside a call, reported at the next check.
         self.violations: list[str] = []
+        self.events = False
         self._oracle_factory: Callable[[], Any] | None = None
-        # seen: event names (and trigger: destination) that happened in this run.
+        # seen: what happened in this run (for hypothesis' coverage statistics).
         self.seen: set[str] = set()
 
     # --- wiring ----------------------------------------------------------------------
 
-    def attach(self, mgr: OffloadManager) -> None:
-        """Observe ``mgr``: its events go to the model from now on."""
+    def attach(self, core: OffloadCore, *, events: bool = False) -> None:
+        """Observe ``core``. With ``events``, a listener records every transition for the
+        oracle replay (it makes the core take its slow, event-building path)."""
         from kvoffload.lifecycle.table import oracle_machine
 
-        self.mgr = mgr
-        self.page_size = mgr.config.page_size
+        self.core = core
+        self.page_size = core.config.page_size
         self._oracle_factory = oracle_machine
-        mgr.add_listener(self._on_event)
+        self.events = events
+        if events:
+            core.listeners.append(self._on_event)
 
     def _on_event(self, name: str, fields: dict[str, Any]) -> None:
-        assert self.mgr is not None
-        self.seen.add(name if name != "lifecycle.transition" else f"{fields['trigger']}: {fields['to']}")
-        lid: Any = fields.get("lifecycle")
-        if name == "lifecycle.admitted":
-            lc = self.mgr.core.live[lid]
-            self.lcs[lid] = _LcModel(lid, lc.rid, weakref.ref(lc))
-        elif name == "lifecycle.transition":
-            m = self.lcs[lid]
-            live = self.mgr.core.live.get(lid)
-            copying = live is not None and live.inflight > 0
-            deferred = live is not None and live.deferred
-            m.log.append((fields["trigger"], fields["from"], fields["to"], copying, deferred))
-            if fields["trigger"] in ("chunk_done", "chunk_failed"):
-                m.chunk_events += 1
-        elif name in ("transfer.completed", "transfer.failed", "transfer.discarded"):
-            self.reached[fields["transfer"]] = lid
+        assert self.core is not None
+        if name != "lifecycle.transition":
+            return
+        self.seen.add(f"{fields['trigger']}: {fields['to']}")
+        m = self.lcs.get(fields["lifecycle"])
+        if m is None:  # the prompt chunk's submit, before admit returned
+            return
+        live = self.core.live.get(m.lid)
+        copying = live is not None and live.inflight > 0
+        deferred = live is not None and live.deferred
+        m.log.append((fields["trigger"], fields["from"], fields["to"], copying, deferred))
 
     # --- the engine's side ---------------------------------------------------------------
 
     def on_admit(self, lc: Lifecycle, prompt: Sequence[int]) -> None:
         """``lc`` was admitted with ``prompt``: record the tokens and write their KV."""
-        self.lcs[lc.id].tokens = list(prompt)
+        m = _LcModel(lc.id, lc.rid, weakref.ref(lc), tokens=list(prompt))
+        if self.events and lc.state is not _P:  # the prompt chunk's submit ran inside admit
+            m.log.append(("submit", "PENDING", lc.state.name, lc.inflight > 0, lc.deferred))
+        self.lcs[lc.id] = m
         self._write_kv(lc, 0, prompt)
+        self.seen.add("admit")
 
     def on_extend(self, lc: Lifecycle, tokens: Sequence[int]) -> None:
         """``lc.extend(tokens)`` succeeded: record the tokens and write their KV."""
@@ -213,11 +247,41 @@ class Observer:
         m.tokens.extend(tokens)
         self._write_kv(lc, start, tokens)
 
+    def on_end(self, lc: Lifecycle, *, aborted: bool) -> None:
+        """``lc.finish()`` (or ``abort()``) was accepted."""
+        m = self.lcs[lc.id]
+        m.ended = True
+        m.aborted = m.aborted or aborted
+        self.seen.add("abort" if aborted else "finish")
+
+    def on_released(self, lc: Lifecycle) -> None:
+        """The driver (or core) said ``lc`` was released: once, and only at RELEASED."""
+        m = self.lcs.get(lc.id)
+        if m is None:
+            self.violations.append(f"on_released({lc!r}) for a lifecycle admit never returned")
+            return
+        if m.reported:
+            self.violations.append(f"on_released({lc!r}) called twice")
+        if not lc.released:
+            self.violations.append(f"on_released({lc!r}) called before RELEASED")
+        m.reported = True
+
+    def on_closed(self) -> None:
+        """The manager closed: every live lifecycle was aborted."""
+        assert self.core is not None
+        for m in self.lcs.values():
+            lc = m.ref()
+            if lc is not None and not m.ended:
+                m.ended = m.aborted = True
+            elif lc is not None and lc.aborted:
+                m.aborted = True
+        self.seen.add("close")
+
     def _write_kv(self, lc: Lifecycle, start: int, tokens: Sequence[int]) -> None:
+        if not tokens or not self.check_bytes:
+            return
         import torch
 
-        if not tokens:
-            return
         assert self.device is not None
         ps = self.page_size
         pos = range(start, start + len(tokens))
@@ -240,13 +304,24 @@ class Observer:
         self.transfers[t.id] = _Submitted(t, t.lifecycle.id, list(t.keys), list(t.device_pages))
         if not set(t.device_pages) <= set(t.lifecycle.device_pages):
             self.violations.append(f"{t!r} was submitted reading device pages its lifecycle does not hold")
+        self.seen.add("submit")
+
+    def on_refused(self, t: Transfer) -> None:
+        m = self.lcs.get(t.lifecycle.id)
+        if m is not None:
+            m.refused = True
+        self.seen.add("refused")
 
     def on_signal(self, t: Transfer, *, ok: bool) -> None:
         """A test signalled ``t``: check the bytes the copy moved (F3/F4)."""
         s = self.transfers[t.id]
         s.signalled = True
-        self.lcs[s.issuer].delivered += 1
-        if ok:
+        if not ok:
+            self.lcs[s.issuer].failed = True
+            self.seen.add("fail")
+            return
+        self.seen.add("complete")
+        if self.check_bytes:
             assert self.host is not None
             import torch
 
@@ -269,41 +344,40 @@ class Observer:
 
     # --- the check -------------------------------------------------------------------------------
 
-    def check(self, pending: Sequence[Transfer]) -> None:
+    def check(self, pending: Sequence[Transfer], *, delivered: bool = True) -> None:
         """Raise ``AssertionError`` naming every rule of the suite that does not hold.
 
-        ``pending`` is the backend's in-flight list; every signalled completion must have
-        been delivered before this is called.
+        ``pending`` is the backend's in-flight list. ``delivered``: every signalled
+        completion was delivered before this call (False once a closed manager stopped
+        delivering; then the counts are checked against what was delivered).
         """
-        mgr = self.mgr
-        assert mgr is not None
-        mgr.check_invariants()
+        core = self.core
+        assert core is not None
+        core.check_invariants()
         problems = self.violations
         self.violations = []
-        # Every completion reached the lifecycle that issued it, with the keys it was
-        # submitted with, equal to an independent recomputation of the chain (F1, F11).
-        for tid in [tid for tid, s in self.transfers.items() if s.signalled]:
+        # The keys every completion carried equal an independent recomputation (F11).
+        for tid in [tid for tid, s in self.transfers.items() if s.signalled and tid not in core.inflight]:
             problems.extend(self._check_delivered(self.transfers.pop(tid)))
         inflight: dict[int, int] = {}
         for t in pending:
             inflight[t.lifecycle.id] = inflight.get(t.lifecycle.id, 0) + 1
+        if not delivered:
+            for s in self.transfers.values():
+                if s.signalled:
+                    inflight[s.issuer] = inflight.get(s.issuer, 0) + 1
         for lid, m in list(self.lcs.items()):
             lc = m.ref()
             if lc is None:
                 del self.lcs[lid]
                 continue
             n = inflight.get(lid, 0)
-            state = lc.state
             if lc.inflight != n:
                 problems.append(f"{lc!r} counts {lc.inflight} chunk(s) in flight, the backend has {n}")
-            if n and state not in (_O, _F):
-                problems.append(f"{lc!r} has {n} chunk(s) in flight but is {state.name}")
-            if state is _F and n == 0 and not lc.deferred:
-                problems.append(f"{lc!r} is left FINISHING with nothing in flight")
-            if m.delivered != m.chunk_events:
-                problems.append(f"{lc!r}: {m.delivered} completion(s) signalled, {m.chunk_events} applied")
-            problems.extend(self._replay(lc, m))
-            if state is _R and m.dropped:
+            problems.extend(self._check_state(lc, m, n))
+            if self.events:
+                problems.extend(self._replay(lc, m))
+            if lc.state is _R and m.dropped:
                 del lc
                 if _collect_until_dead(m.ref):
                     del self.lcs[lid]
@@ -312,18 +386,48 @@ class Observer:
         if problems:
             raise AssertionError("; ".join(problems))
 
+    def _check_state(self, lc: Lifecycle, m: _LcModel, n: int) -> list[str]:
+        """The state the spec's meaning gives, from what the test did (not the table)."""
+        state = lc.state
+        if not m.ended:
+            want = _O if n else _P
+        else:
+            want = _F if (n or lc.deferred) else _R
+        problems = []
+        if state is not want:
+            what = "ended" if m.ended else "decoding"
+            problems.append(
+                f"{lc!r} is {state.name}, but it is {what} with {n} copies in flight"
+                f"{' and a deferred chunk' if lc.deferred else ''}: the spec says {want.name}"
+            )
+        if state is _R and not m.reported:
+            problems.append(f"{lc!r} is RELEASED but on_released was never called for it")
+        if state is _R:
+            allowed = (
+                {Outcome.ABORTED}
+                if m.aborted
+                else {Outcome.FAILED}
+                if m.failed
+                else {Outcome.COMPLETED, Outcome.FAILED}
+                if m.refused
+                else {Outcome.COMPLETED}
+            )
+            if lc.outcome not in allowed:
+                problems.append(f"{lc!r} ended {lc.outcome}; expected one of {sorted(o.name for o in allowed)}")
+            if lc.device_pages:
+                problems.append(f"{lc!r} is RELEASED but holds device pages {lc.device_pages}")
+        elif lc.outcome is not None:
+            problems.append(f"{lc!r} is live with outcome {lc.outcome}")
+        return problems
+
     def _check_delivered(self, s: _Submitted) -> list[str]:
         t = s.transfer
         ps = self.page_size
-        problems = []
-        reached = self.reached.pop(t.id, None)
-        if reached != s.issuer:
-            problems.append(f"the completion of {t!r}, issued by #{s.issuer}, reached #{reached}")
         first = t.first_token // ps
         want = reference_keys(self.lcs[s.issuer].tokens[: t.first_token + t.n_tokens], ps)[first:]
         if list(t.keys) != want or s.keys != want:
-            problems.append(f"{t!r} carries keys {t.keys} (at submit {s.keys}), the chain says {want}")
-        return problems
+            return [f"{t!r} carries keys {t.keys} (at submit {s.keys}), the chain says {want}"]
+        return []
 
     def _replay(self, lc: Lifecycle, m: _LcModel) -> list[str]:
         """Replay ``m``'s new transitions on the ``transitions`` oracle of the spec."""

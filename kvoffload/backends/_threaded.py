@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 
-from kvoffload.abc import Completion, EventBackend, Transfer
+from kvoffload.abc import Completion, Transfer
+from kvoffload.backends._base import BackendBase
 from kvoffload.errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ class StreamWorker(threading.Thread, Generic[_Item]):
         return batch
 
 
-class ThreadedBackend(EventBackend, Generic[_Item]):
+class ThreadedBackend(BackendBase, Generic[_Item]):
     """An event backend whose copies are tracked by one :class:`StreamWorker` per stream.
 
     Subclasses give ``_make_worker(i)`` and ``_start(transfer, worker)`` (start the copy,

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvoffload.abc import Completion, EventBackend, Transfer
+from kvoffload.abc import Completion, Transfer
+from kvoffload.backends._base import BackendBase
 from kvoffload.backends._threaded import CompletionInbox
 from kvoffload.errors import BackendError
 from kvoffload.pools import DevicePool, HostPool
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["SimBackend"]
 
 
-class SimBackend(EventBackend):
+class SimBackend(BackendBase):
     """A copy backend driven by the test: ``pending``, ``complete(t)``, ``fail(t, error)``."""
 
     name = "sim"

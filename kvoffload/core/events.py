@@ -41,6 +41,7 @@ EVENT_NAMES: dict[str, str] = {
     "manager.closed_live": "the manager was closed with lifecycles never finished: they were aborted (warning)",
     "manager.on_released_failed": "the on_released callback raised; the ledger was already consistent (error)",
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
+    "manager.step_failed": "a driver's background step failed and was contained; the manager runs on (error)",
 }
 
 Listener = Callable[[str, dict[str, Any]], None]

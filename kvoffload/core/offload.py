@@ -67,19 +67,26 @@ class _Burst:
 
 class _DirectHost:
     """The :class:`LifecycleHost` of a core used without a driver (tests, tools):
-    lifecycle events go straight to the core; there is nothing to wait with."""
+    lifecycle events go straight to the core; there is nothing to wait with. What a
+    lifecycle's own call releases goes to ``on_released`` when one is set."""
 
     def __init__(self, core: OffloadCore) -> None:
         self.core = core
+        self.on_released: Callable[[Lifecycle], object] | None = None
 
     def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None:
         self.core.extend(lc, tokens, ready=ready)
 
     def finish_lifecycle(self, lc: Lifecycle) -> None:
-        self.core.finish(lc)
+        self._tell(self.core.finish(lc))
 
     def abort_lifecycle(self, lc: Lifecycle) -> None:
-        self.core.abort(lc)
+        self._tell(self.core.abort(lc))
+
+    def _tell(self, released: list[Lifecycle]) -> None:
+        if self.on_released is not None:
+            for lc in released:
+                self.on_released(lc)
 
     def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]:
         raise KVOffloadError(f"{lc!r} belongs to a bare OffloadCore: a driver waits, the core does not")
@@ -171,6 +178,8 @@ class OffloadCore:
         :class:`~kvoffload.PoolExhausted`, or the mover's error when it refuses the
         ``offload_prompt`` chunk, with nothing changed.
         """
+        if self.closing:
+            raise KVOffloadError("the manager is closed: no request can be admitted")
         cfg = self.config
         tokens = validate_tokens(prompt, "prompt")
         n = len(tokens)
@@ -284,10 +293,11 @@ class OffloadCore:
         live = list(self.live.values())
         if live:
             logger.warning("manager.closed_live", live=len(live))
+        released: list[Lifecycle] = []
         for lc in live:
             if not lc._aborted:
-                self.abort(lc)
-        return self._take_released()
+                released += self.abort(lc)
+        return released + self._take_released()
 
     def _flush(self, lc: Lifecycle, refusal_raises: bool = False) -> None:
         """The tail flush (F12): submit every whole page not yet submitted, one host-sized
@@ -492,9 +502,16 @@ class OffloadCore:
     def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
         """Apply one completion. A subclass that overrides this hook (the mutation
         meta-tests do) is called once per completion by :meth:`complete`."""
-        self._deliver_all(((t, error),), now)
+        self._apply(((t, error),), now)
 
     def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
+        if type(self)._deliver_one is not OffloadCore._deliver_one:
+            for t, error in batch:
+                self._deliver_one(t, error, now)
+            return
+        self._apply(batch, now)
+
+    def _apply(self, batch: Iterable[Completion], now: float) -> None:
         """Apply completions in order, each exactly as one :meth:`_deliver_one` would,
         doing once per batch what need not be done per completion: the observed gate,
         the ledger writes and the host-page return of copied chunks (one checked
@@ -505,10 +522,6 @@ class OffloadCore:
         a log line or listener, ``_fire``'s full path (release, events, a subclass's
         hook), ``_pump_deferred`` - and on the way out, normally or by an exception.
         """
-        if type(self)._deliver_one is not OffloadCore._deliver_one:
-            for t, error in batch:
-                type(self)._deliver_one(self, t, error, now)
-            return
         inflight = self.inflight
         rows = _DONE_ROWS
         counts = self.state_counts

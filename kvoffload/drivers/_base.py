@@ -16,7 +16,7 @@ from _thread import get_ident
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvoffload.abc import EventBackend, Storage, Transfer
+from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import Listener, logger
 from kvoffload.core.offload import OffloadCore
@@ -60,9 +60,9 @@ class DriverBase:
     :class:`~kvoffload.SyncOffloadManager` that do not depend on how they wait."""
 
     #: The core class (the mutation meta-tests put a broken one here).
-    core_class: ClassVar[type[OffloadCore]] = OffloadCore
+    _core_class: ClassVar[type[OffloadCore]] = OffloadCore
     #: What the driver is called in errors.
-    kind: ClassVar[str] = "manager"
+    _kind: ClassVar[str] = "manager"
 
     def __init__(
         self,
@@ -97,7 +97,7 @@ class DriverBase:
         self.host_pool: HostPool = host
         page_bytes = host.tensor[0].numel() * host.tensor.element_size() if host.n_pages else 0
         self.page_bytes = page_bytes
-        self.core: OffloadCore = self.core_class(
+        self.core: OffloadCore = self._core_class(
             config,
             device_pool=device,
             host_pool=host,
@@ -124,6 +124,23 @@ class DriverBase:
 
     def _launch_soon(self) -> None:
         raise NotImplementedError
+
+    def _complete(self, batch: list[Completion]) -> list[Lifecycle]:
+        """Apply ``batch`` to the core. A completion the core refuses (delivered twice,
+        never submitted: a backend's bug) is logged and skipped, and the rest are
+        applied, so one bad completion never strands the others (F20)."""
+        core = self.core
+        try:
+            return core.complete(batch)
+        except KVOffloadError as exc:
+            seen: set[int] = set()
+            known = []
+            for t, e in batch:
+                if t.id in core.inflight and t.id not in seen:
+                    seen.add(t.id)
+                    known.append((t, e))
+            logger.error("manager.step_failed", step="deliver", skipped=len(batch) - len(known), error=repr(exc))
+            return core.complete(known)
 
     # --- state shared with tests and tools -----------------------------------------------
 
@@ -177,12 +194,15 @@ class DriverBase:
     def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
         """Live lifecycles, oldest first; with ``rid``, those labelled ``rid`` (there may be
         several: a reused id). For observability: O(live)."""
+        self._check_owner("lifecycles()")
         return self.core.lifecycles(rid)
 
     def __iter__(self) -> Iterator[Lifecycle]:
+        self._check_owner("iter(mgr)")
         return iter(list(self.core.live.values()))
 
     def __len__(self) -> int:
+        self._check_owner("len(mgr)")
         return len(self.core.live)
 
     # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
@@ -241,7 +261,7 @@ class DriverBase:
 
     def _store(self) -> Storage:
         if self.storage is None:
-            raise StorageError(f"this {self.kind} has no storage tier (storage=None): nothing to look up")
+            raise StorageError(f"this {self._kind} has no storage tier (storage=None): nothing to look up")
         return self.storage
 
     def _fetched(self, pages: list[bytes | None]) -> list[bytes]:
@@ -259,17 +279,20 @@ class DriverBase:
         """Call ``listener(event_name, fields)`` for every event; returns a remover.
         Listeners are called on the owner thread; attaching one makes every step build
         its events (the slow path)."""
+        self._check_owner("add_listener()")
         listeners = self.core.listeners
         listeners.append(listener)
         return lambda: listeners.remove(listener) if listener in listeners else None
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""
+        self._check_owner("statistics()")
         return self.core.statistics()
 
     def check_invariants(self) -> None:
         """Raise :class:`~kvoffload.InvariantViolation` if the ledger does not balance
         (ARCHITECTURE.md rules 1-6). Tests call it after every step."""
+        self._check_owner("check_invariants()")
         self.core.check_invariants()
 
     def _drain_error(self, what: str, timeout: float | None) -> str:

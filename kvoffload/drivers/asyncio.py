@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["OffloadManager"]
 
 #: Seconds a close waits past its drain timeout for copy threads to end.
-_JOIN_GRACE_S = 1.0
+_JOIN_GRACE_S = 0.5
 
 
 class OffloadManager(DriverBase):
@@ -53,7 +53,7 @@ class OffloadManager(DriverBase):
     :class:`~kvoffload.WrongThread`, nothing changed).
     """
 
-    kind = "OffloadManager"
+    _kind = "OffloadManager"
 
     def __init__(
         self,
@@ -121,7 +121,7 @@ class OffloadManager(DriverBase):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # pragma: no cover - a kvoffload bug; the step that failed is logged
-            logger.error("manager.task_failed", task=name, error=repr(exc))
+            logger.error("manager.step_failed", step=name, error=repr(exc))
 
     async def __aexit__(
         self,
@@ -196,7 +196,7 @@ class OffloadManager(DriverBase):
                     with anyio.move_on_after(_JOIN_GRACE_S if timeout is not None else None):
                         await self.storage.aclose()
                 except Exception as exc:  # closing a store must not hide the real outcome
-                    logger.warning("storage.close_failed", error=repr(exc))
+                    logger.error("manager.step_failed", step="storage.aclose", error=repr(exc))
 
     async def _join_backend(self, timeout: float | None) -> bool:
         """Wait (without blocking the loop) until the backend's copies end, at most ``timeout``."""
@@ -222,7 +222,7 @@ class OffloadManager(DriverBase):
         try:
             self.backend.launch()
         except Exception as exc:  # pragma: no cover - a backend that breaks its contract
-            logger.error("manager.launch_failed", error=repr(exc))
+            logger.error("manager.step_failed", step="launch", error=repr(exc))
 
     def _wake_from_any_thread(self) -> None:
         """The backend's waker: schedule one delivery on the loop (any thread)."""
@@ -239,15 +239,13 @@ class OffloadManager(DriverBase):
             self._deliver(batch)
 
     def _deliver(self, batch: list[Completion]) -> None:
-        """Apply ``batch`` to the core; a completion the core refuses (delivered twice,
-        never submitted) is logged and skipped, and the rest are applied (F20)."""
+        """Apply ``batch`` to the core (a loop callback); a failure is logged, never
+        raised into the loop (F20)."""
         try:
-            released = self.core.complete(batch)
-        except KVOffloadError:
-            known = [(t, e) for t, e in batch if t.id in self.core.inflight]
-            bad = len(batch) - len(known)
-            logger.error("manager.bad_completions", completions=bad)
-            released = self.core.complete(list(dict((t.id, (t, e)) for t, e in known).values()))
+            released = self._complete(batch)
+        except Exception as exc:  # pragma: no cover - a kvoffload bug; the ledger check will say
+            logger.error("manager.step_failed", step="deliver", error=repr(exc))
+            released = []
         self._delivered += len(batch)
         self._after_step(released)
 
@@ -358,7 +356,7 @@ class OffloadManager(DriverBase):
                     self._deliver_ready()
                 self.tick()
             except Exception as exc:  # a failing step is logged; the timers go on (F20)
-                logger.error("manager.tick_failed", error=repr(exc))
+                logger.error("manager.step_failed", step="tick", error=repr(exc))
 
     # --- storage reads -------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["SyncOffloadManager"]
 
 #: Seconds a close waits past its timeout for copy and writer threads to end.
-_JOIN_GRACE_S = 1.0
+_JOIN_GRACE_S = 0.5
 #: Longest single wait inside quiesce/close, so storage progress and timers are seen.
 _WAIT_SLICE_S = 0.01
 
@@ -53,7 +53,7 @@ class SyncOffloadManager(DriverBase):
     thread that opened it (else :class:`~kvoffload.WrongThread`, nothing changed).
     """
 
-    kind = "SyncOffloadManager"
+    _kind = "SyncOffloadManager"
 
     def __init__(
         self,
@@ -213,7 +213,7 @@ class SyncOffloadManager(DriverBase):
             batch = backend.take_completions(max_completions)
             if batch:
                 n = len(batch)
-                released = core.complete(batch)
+                released = self._complete(batch)
         writer = self._writer
         if writer is not None:
             for job, stored, attempts, error in writer.take_results():
@@ -247,10 +247,23 @@ class SyncOffloadManager(DriverBase):
         self._check_open("tick()")
         self._released(self.core.tick(), raise_errors=True)
 
+    @property
+    def writes_pending(self) -> int:
+        """Storage writes queued and not yet finished (their host pages are held)."""
+        return len(self.core.writes)
+
+    def wait_progress(self, timeout: float | None) -> None:
+        """Block until the backend or the storage writer has something for :meth:`poll`,
+        at most ``timeout`` seconds (and at most a short slice)."""
+        self._check_owner("wait_progress()")
+        self._wait(timeout)
+
     def _wait(self, timeout: float | None) -> None:
         """Block until the backend or the writer has something, at most a short slice."""
         slice_s = _WAIT_SLICE_S if timeout is None else max(0.0, min(timeout, _WAIT_SLICE_S))
         writer = self._writer
+        if self.backend.ready or (writer is not None and writer.has_results):
+            return
         if writer is not None and writer.pending and not self.core.inflight:
             writer.wait_progress(slice_s)
         else:

@@ -198,13 +198,13 @@ class ThreadWriter(threading.Thread):
         self._inflight = 0
         self._progress = threading.Condition(self._lock)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = threading.Event()
+        self._loop_ready = threading.Event()  # not Thread._started: that one is Thread's own
         self._queue: asyncio.Queue[WriteJob | None] | None = None
-        self._stopped = False
+        self._halted = False
 
     def start(self) -> None:
         super().start()
-        self._started.wait()
+        self._loop_ready.wait()
 
     def run(self) -> None:
         asyncio.run(self._main())
@@ -212,7 +212,7 @@ class ThreadWriter(threading.Thread):
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._started.set()
+        self._loop_ready.set()
         try:
             while True:
                 job = await self._queue.get()
@@ -233,7 +233,7 @@ class ThreadWriter(threading.Thread):
     def put(self, jobs: list[WriteJob]) -> None:
         """Hand ``jobs`` to the thread (owner thread; never blocks)."""
         loop, queue = self._loop, self._queue
-        if self._stopped or loop is None or queue is None:
+        if self._halted or loop is None or queue is None:
             raise KVOffloadError("the storage writer is stopped")
         with self._lock:
             self._inflight += len(jobs)
@@ -244,6 +244,11 @@ class ThreadWriter(threading.Thread):
     def pending(self) -> int:
         """Jobs handed over and not yet finished."""
         return self._inflight
+
+    @property
+    def has_results(self) -> bool:
+        """Whether a finished job waits to be taken."""
+        return bool(self._results)
 
     def take_results(self) -> list[WriteResult]:
         """Every finished job not yet taken, in order (never blocks)."""
@@ -264,7 +269,7 @@ class ThreadWriter(threading.Thread):
     def call(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         """Run ``coro`` on this thread's loop and wait for its result."""
         loop = self._loop
-        if self._stopped or loop is None:
+        if self._halted or loop is None:
             coro.close()
             raise KVOffloadError("the storage writer is stopped")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
@@ -272,9 +277,9 @@ class ThreadWriter(threading.Thread):
     def stop(self) -> None:
         """Write what was handed over, then close the store and end the thread."""
         loop, queue = self._loop, self._queue
-        if self._stopped or loop is None or queue is None:
+        if self._halted or loop is None or queue is None:
             return
-        self._stopped = True
+        self._halted = True
         try:
             loop.call_soon_threadsafe(queue.put_nowait, None)
         except RuntimeError:  # the loop already ended
