@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
+from kvoffload.core.stats import Statistics
+from kvoffload.drivers import OffloadManager, SyncOffloadManager
 from kvoffload.errors import (
     BackendError,
     ConfigError,
@@ -20,8 +22,6 @@ from kvoffload.errors import (
 )
 from kvoffload.keys import chain_keys, page_key
 from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
-from kvoffload.core.stats import Statistics
-from kvoffload.drivers import OffloadManager, SyncOffloadManager
 
 __version__ = "0.1.0"
 

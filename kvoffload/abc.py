@@ -58,6 +58,7 @@ class Transfer:
         "keys",
         "lifecycle",
         "n_tokens",
+        "owned",
         "ready",
         "stream",
         "submitted_at",
@@ -83,6 +84,9 @@ class Transfer:
         self.n_tokens = n_tokens
         self.submitted_at = submitted_at
         self.stream = stream
+        # owned: made by a core from pages of this backend's own pools, in range by
+        # construction; a backend checks only transfers without it (check_fits).
+        self.owned = False
         self.ready: Any = None
         self.completed_at: float | None = None
         self.error: BaseException | None = None
@@ -91,7 +95,8 @@ class Transfer:
         """Raise :class:`~kvoffload.BackendError` unless this transfer can be copied between
         pools of ``device_pages`` and ``host_pages`` pages on a backend with ``streams``
         streams: page lists of equal length, every page in range, no host page named twice.
-        Backends call it in ``submit`` before starting anything."""
+        Backends call it in ``submit`` before starting anything, for every transfer not
+        made by the core (``owned`` False): the core's own are in range by construction."""
         dev, host = self.device_pages, self.host_pages
         if len(dev) != len(host):
             raise BackendError(f"{self!r}: {len(dev)} device page(s) but {len(host)} host page(s)")

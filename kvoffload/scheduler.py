@@ -27,10 +27,10 @@ from typing import Any
 
 import anyio
 
+from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.workload import RequestPlan, WorkloadSpec
 
 __all__ = ["DecodeScheduler", "SchedulerResult"]

@@ -84,8 +84,8 @@ async def simulate(
     False and ``report["ledger"]["error"]`` says why.
     """
     from kvoffload.backends import resolve_backend
-    from kvoffload.errors import KVOffloadError
     from kvoffload.drivers.asyncio import OffloadManager
+    from kvoffload.errors import KVOffloadError
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan

@@ -77,7 +77,13 @@ def test_a_batch_is_delivered_as_one_completion_at_a_time(storage: bool, listene
         unbalanced: list[str] = []
         if listener:
 
-            def check(name: str, fields: dict[str, Any], core: OffloadCore = core) -> None:
+            def check(
+                name: str,
+                fields: dict[str, Any],
+                core: OffloadCore = core,
+                seen: list[str] = seen,
+                unbalanced: list[str] = unbalanced,
+            ) -> None:
                 seen.append(name)
                 try:
                     ledger_balances(core)
@@ -142,19 +148,21 @@ def test_a_host_double_free_in_a_batch_frees_nothing() -> None:
     core.host_pool.check()
 
 
-def test_a_completion_named_twice_or_unknown_changes_nothing() -> None:
-    """A batch with a transfer not in flight (delivered before, or named twice in the
-    batch) is refused before anything changes."""
+def test_a_completion_named_twice_or_unknown_stops_the_batch_with_the_ledger_consistent() -> None:
+    """A batch naming a transfer that is not in flight (delivered before, or named
+    twice) applies the completions before it, raises at it, and leaves the ledger
+    consistent; the completions after it are still in flight and can be delivered."""
     core, jobs = make_core()
-    lc = core.admit("r", prompt=[])
-    lc.extend([1, 2, 3, 4])
-    (t,) = jobs
-    before = core.statistics()
-    for batch in ([(t, None), (t, None)],):
-        with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-            core.complete(batch)
-        assert core.statistics() == before and lc.inflight == 1
-    core.complete([(t, None)])
+    lcs = [core.admit(f"r{i}", prompt=[]) for i in range(3)]
+    for lc in lcs:
+        lc.extend([1, 2, 3, 4])
+    ta, tb, tc = jobs
     with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-        core.complete([(t, None)])
+        core.complete([(ta, None), (ta, None), (tb, None)])
     core.check_invariants()
+    assert (lcs[0].inflight, lcs[1].inflight) == (0, 1) and core.counters.completions_delivered == 1
+    core.complete([(tb, None), (tc, None)])
+    with pytest.raises(kvo.KVOffloadError, match="completed twice"):
+        core.complete([(tc, None)])
+    core.check_invariants()
+    assert core.counters.completions_delivered == 3

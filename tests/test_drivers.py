@@ -12,12 +12,12 @@ from typing import Any
 import anyio
 import pytest
 from structlog.testing import capture_logs
+from support import toks
 
 import kvoffload as kvo
 from kvoffload.backends.cpu import CpuBackend
 from kvoffload.drivers._base import parked
 from kvoffload.testing import ManagerHost, SimBackend, SyncManagerHost
-from support import toks
 
 PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState
 
@@ -38,7 +38,13 @@ class RefusingBackend(SimBackend):
 def _wait_config(**changes: Any) -> kvo.OffloadConfig:
     """One host page; chunks that find it taken wait for it (on_host_full="wait")."""
     fields: dict[str, Any] = dict(
-        page_size=4, stride=4, device_pages=16, host_pages=1, on_host_full="wait", host_wait_s=30, drain_timeout_s=5
+        page_size=4,
+        stride=4,
+        device_pages=16,
+        host_pages=1,
+        on_host_full="wait",
+        host_wait_s=30,
+        drain_timeout_s=5,
     )
     fields.update(changes)
     return kvo.OffloadConfig(**fields)

@@ -94,7 +94,9 @@ def test_imports_point_down(module: Path) -> None:
     assert not bad, f"{module.relative_to(PKG)} imports upward or outside its layer: " + "; ".join(bad)
 
 
-@pytest.mark.parametrize("module", [m for m in MODULES if _layer(m) == "core"], ids=lambda p: str(p.relative_to(PKG)))
+@pytest.mark.parametrize(
+    "module", [m for m in MODULES if _layer(m) == "core"], ids=lambda p: str(p.relative_to(PKG))
+)
 def test_the_core_starts_no_thread_and_does_no_io(module: Path) -> None:
     """No core module names a thread, a timer, a file open, a worker-thread hop or a sleep."""
     tree = ast.parse(module.read_text())

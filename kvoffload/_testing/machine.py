@@ -18,6 +18,7 @@ through their own scheduler, add rules, or set ``manager_class``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -120,7 +121,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The manager's config for this example (KV rows must stay int32 ``KV_SHAPE``)."""
         return OffloadConfig(kv_shape=KV_SHAPE, dtype="int32", host_wait_s=_HOST_WAIT_S, **sizes)
 
-    def make_manager(self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None) -> Any:
+    def make_manager(
+        self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None
+    ) -> Any:
         """Build the manager under test (``manager_class`` by default)."""
         return self.manager_class(
             config,
@@ -279,7 +282,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(slot=_slots)
     def finish(self, slot: int) -> None:
         lc = self._newest(slot)
-        if lc is not None and self._expect(lc, lc.state in (_P, _O), lambda: self.finish_request(lc), "finish"):
+        if lc is not None and self._expect(
+            lc, lc.state in (_P, _O), lambda: self.finish_request(lc), "finish"
+        ):
             self.observer.on_end(lc, aborted=False)
 
     @precondition(lambda self: not self.closed)
@@ -515,10 +520,8 @@ class SyncLifecycleMachine(LifecycleMachine):
         return self.sync_host.call(fn)
 
     def close_manager(self) -> None:
-        try:
+        with contextlib.suppress(DrainTimeout):  # copies the test never completes: pages stay held
             self.mgr.close(timeout=0.0)
-        except DrainTimeout:
-            pass  # copies the test never completes: their pages stay held
         self.delivering = False
 
     def tick(self) -> None:
@@ -526,10 +529,8 @@ class SyncLifecycleMachine(LifecycleMachine):
 
     def finish_run(self) -> None:
         if not self.closed:
-            try:
+            with contextlib.suppress(DrainTimeout):
                 self.mgr.close(timeout=0.0)
-            except DrainTimeout:
-                pass
 
     def stopped(self) -> bool:
         return False
@@ -551,7 +552,9 @@ class CoreLifecycleMachine(LifecycleMachine):
         # writes: write jobs the core queued and the "store" has not finished.
         self.writes: list[WriteJob] = []
 
-    def make_manager(self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None) -> Any:
+    def make_manager(
+        self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None
+    ) -> Any:
         device, host = backend.create_pools(config)
         backend.open(device, host)
         core = self.core_class(

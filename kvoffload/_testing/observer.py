@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.backends.sim import SimBackend
 from kvoffload.errors import BackendError
+from kvoffload.lifecycle.core import LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool
 
@@ -224,7 +225,7 @@ class Observer:
         m = self.lcs.get(fields["lifecycle"])
         if m is None:  # the prompt chunk's submit, before admit returned
             return
-        live = self.core.live.get(m.lid)
+        live = self.core.live.get(LifecycleId(m.lid))
         copying = live is not None and live.inflight > 0
         deferred = live is not None and live.deferred
         m.log.append((fields["trigger"], fields["from"], fields["to"], copying, deferred))
@@ -389,10 +390,9 @@ class Observer:
     def _check_state(self, lc: Lifecycle, m: _LcModel, n: int) -> list[str]:
         """The state the spec's meaning gives, from what the test did (not the table)."""
         state = lc.state
-        if not m.ended:
-            want = _O if n else _P
-        else:
-            want = _F if (n or lc.deferred) else _R
+        # Decoding: OFFLOADING iff a copy is in flight. Ended: FINISHING until none is
+        # in flight or deferred, then RELEASED.
+        want = (_O if n else _P) if not m.ended else (_F if n or lc.deferred else _R)
         problems = []
         if state is not want:
             what = "ended" if m.ended else "decoding"
@@ -413,7 +413,9 @@ class Observer:
                 else {Outcome.COMPLETED}
             )
             if lc.outcome not in allowed:
-                problems.append(f"{lc!r} ended {lc.outcome}; expected one of {sorted(o.name for o in allowed)}")
+                problems.append(
+                    f"{lc!r} ended {lc.outcome}; expected one of {sorted(o.name for o in allowed)}"
+                )
             if lc.device_pages:
                 problems.append(f"{lc!r} is RELEASED but holds device pages {lc.device_pages}")
         elif lc.outcome is not None:

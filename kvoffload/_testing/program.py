@@ -68,7 +68,10 @@ def decode(x: int) -> tuple[str, dict[str, Any]]:
     if name in ("complete", "fail"):
         return name, {"pos": a % 8}
     if name == "complete_batch":
-        return name, {"positions": [(a >> (3 * i)) % 8 for i in range(2 + (a >> 12) % 3)], "fail_first": bool(a >> 14 & 1)}
+        return name, {
+            "positions": [(a >> (3 * i)) % 8 for i in range(2 + (a >> 12) % 3)],
+            "fail_first": bool(a >> 14 & 1),
+        }
     if name == "refuse_submissions":
         return name, {"on": bool(a & 1)}
     if name == "storage_down":
@@ -124,7 +127,9 @@ def programs(max_steps: int = 30) -> st.SearchStrategy[list[int]]:
     return st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=max_steps)
 
 
-def run_program(machine_cls: type[LifecycleMachine], open_kwargs: dict[str, Any], program: Sequence[int]) -> None:
+def run_program(
+    machine_cls: type[LifecycleMachine], open_kwargs: dict[str, Any], program: Sequence[int]
+) -> None:
     """Play ``program`` on a fresh ``machine_cls``: ``open``, then each enabled step and
     the after-step check, then ``teardown`` (as hypothesis' stateful runner would)."""
     m = machine_cls()

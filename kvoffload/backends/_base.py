@@ -29,7 +29,11 @@ class BackendBase(EventBackend):
                 await anyio.sleep(1e-4)
                 continue
             ev = anyio.Event()
-            self.set_waker(lambda: loop.call_soon_threadsafe(ev.set))
+
+            def wake(ev: anyio.Event = ev) -> None:
+                loop.call_soon_threadsafe(ev.set)
+
+            self.set_waker(wake)
             try:
                 if not self.ready:
                     await ev.wait()

@@ -383,7 +383,8 @@ class ThreadedBackend(BackendBase, Generic[_Item]):
         if self._closed or not self._workers:
             raise BackendError(f"{self.name} backend is {'closed' if self._closed else 'not open'}")
         assert self._device is not None and self._host is not None
-        transfer.check_fits(self._device.n_pages, self._host.n_pages, self._n_streams)
+        if not transfer.owned:
+            transfer.check_fits(self._device.n_pages, self._host.n_pages, self._n_streams)
         self._accept(transfer)
         self._staged.append(transfer)
         self.submitted += 1

@@ -325,4 +325,3 @@ class CudaBackend(ThreadedBackend[InFlight]):
                 time.sleep(_POLL_MAX_S)
             return True
         return super().join(timeout)
-

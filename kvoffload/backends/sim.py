@@ -54,7 +54,7 @@ class SimBackend(BackendBase):
         """Record ``transfer`` as pending; nothing is copied yet."""
         if self._closed:
             raise BackendError("SimBackend is closed")
-        if self._device is not None and self._host is not None:
+        if self._device is not None and self._host is not None and not transfer.owned:
             transfer.check_fits(self._device.n_pages, self._host.n_pages, self.streams)
         self.pending.append(transfer)
         self.submitted += 1

@@ -38,8 +38,8 @@ EVENT_NAMES: dict[str, str] = {
     "storage.failed": "a storage write failed after its retries (warning, once per burst of failures)",
     "storage.recovered": "the first storage write to succeed after a burst of failures (info)",
     "manager.drain_timeout": "leaving the manager timed out with copies in flight (error)",
-    "manager.closed_live": "the manager was closed with lifecycles never finished: they were aborted (warning)",
-    "manager.on_released_failed": "the on_released callback raised; the ledger was already consistent (error)",
+    "manager.closed_live": "closed with lifecycles never finished; they were aborted (warning)",
+    "manager.on_released_failed": "on_released raised; the ledger was already consistent (error)",
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
     "manager.step_failed": "a driver's background step failed and was contained; the manager runs on (error)",
 }

@@ -74,9 +74,6 @@ class _DirectHost:
         self.core = core
         self.on_released: Callable[[Lifecycle], object] | None = None
 
-    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None:
-        self.core.extend(lc, tokens, ready=ready)
-
     def finish_lifecycle(self, lc: Lifecycle) -> None:
         self._tell(self.core.finish(lc))
 
@@ -234,10 +231,15 @@ class OffloadCore:
     def _illegal(self, lc: Lifecycle, e: int) -> None:
         raise InvalidTransition(lc, STATES[lc._s], EVENT_NAMES[e])
 
-    def extend(self, lc: Lifecycle, tokens: Sequence[int], *, ready: Any = None) -> None:
+    def extend(self, lc: Lifecycle, tokens: Sequence[int], *, pages: Any = None, ready: Any = None) -> None:
         """The full path of :meth:`Lifecycle.extend` (the lifecycle takes a fast path for
         the quiet decode step). All or nothing: a bad token, a full device pool or a
         refused submission raises and changes nothing."""
+        if pages is not None:
+            raise KVOffloadError(
+                f"{lc!r}: extend(pages=...) hands over engine pages, but this manager owns its device "
+                "pool (device_pages is set): leave pages out"
+            )
         self._check(lc, _EXTEND)
         toks = validate_tokens(tokens)
         n = len(toks)
@@ -250,7 +252,8 @@ class OffloadCore:
             lc._cap = len(lc.device_pages) * ps
         lc.committed = committed
         lc._tail += toks
-        self._fire(lc, _EXTEND)
+        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            self._fire(lc, _EXTEND)  # a self-loop in every state it is legal in: only its event
         if committed >= lc.due and lc._deferred_since is None:
             pending = committed - lc.submitted
             try:
@@ -263,6 +266,15 @@ class OffloadCore:
                     del lc.device_pages[held:]
                     lc._cap = held * ps
                 raise
+
+    def grow(self, lc: Lifecycle, committed: int) -> None:
+        """Owned mode, the quiet step's page allocation (called by the lifecycle's fast
+        path): device pages for ``committed`` tokens, or :class:`~kvoffload.PoolExhausted`
+        with nothing changed."""
+        ps = self.config.page_size
+        pages = lc.device_pages
+        pages += self.device_pool.allocate(-(-committed // ps) - len(pages))
+        lc._cap = len(pages) * ps
 
     def finish(self, lc: Lifecycle) -> list[Lifecycle]:
         """The request finished: flush the page-aligned remainder (F12), then FINISHING,
@@ -351,6 +363,7 @@ class OffloadCore:
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
         t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
         t.ready = ready
+        t.owned = True
         try:
             self.accept(t)
         except BaseException:
@@ -485,18 +498,17 @@ class OffloadCore:
         """Apply a batch of completions, in order, each to the lifecycle that issued it
         (the transfer holds it; F1). Returns the lifecycles the batch released.
 
-        Raises :class:`~kvoffload.KVOffloadError` before anything changes when a
-        completion names a transfer that is not in flight (delivered twice, never
-        submitted), :class:`~kvoffload.PageError` on a host double free.
+        A completion that names a transfer not in flight (delivered twice, never
+        submitted: a mover's bug) raises :class:`~kvoffload.KVOffloadError` when the loop
+        reaches it: the completions before it are applied, the ledger is consistent,
+        and those after it are not applied (still in flight: deliver them again; the
+        drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
-        inflight = self.inflight
-        seen: set[int] = set()
-        for t, _ in batch:
-            if t.id not in inflight or t.id in seen:
-                raise KVOffloadError(f"{t!r} completed twice or was never submitted")
-            seen.add(t.id)
-        self._deliver_all(batch, self.clock() if now is None else now)
-        self.counters.completions_delivered += len(batch)
+        n = len(self.inflight)
+        try:
+            self._deliver_all(batch, self.clock() if now is None else now)
+        finally:
+            self.counters.completions_delivered += n - len(self.inflight)
         return self._take_released()
 
     def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
@@ -691,9 +703,7 @@ class OffloadCore:
             burst.since = now
             burst.last_log = now
             burst.logged_pages = n
-            logger.warning(
-                "storage.failed", transfer=job.id, pages=n, attempts=attempts, error=repr(error)
-            )
+            logger.warning("storage.failed", transfer=job.id, pages=n, attempts=attempts, error=repr(error))
         elif now - burst.last_log >= self.store_log_interval_s:
             logger.warning(
                 "storage.failed",
@@ -711,7 +721,11 @@ class OffloadCore:
     def _recovered(self, job: WriteJob) -> None:
         burst = self._burst
         assert burst.since is not None
-        fields = {"chunks_failed": burst.chunks, "pages_failed": burst.pages, "burst_s": self.clock() - burst.since}
+        fields = {
+            "chunks_failed": burst.chunks,
+            "pages_failed": burst.pages,
+            "burst_s": self.clock() - burst.since,
+        }
         logger.info("storage.recovered", **fields)
         burst.since = None
         burst.chunks = burst.pages = burst.logged_pages = 0
@@ -873,4 +887,3 @@ class OffloadCore:
 
     def __repr__(self) -> str:
         return f"<OffloadCore live={len(self.live)} inflight={len(self.inflight)}>"
-

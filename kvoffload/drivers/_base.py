@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from _thread import get_ident
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
@@ -85,7 +85,9 @@ class DriverBase:
         if not isinstance(config, OffloadConfig):
             raise KVOffloadError(f"config must be an OffloadConfig, got {type(config).__name__}")
         if on_released is not None and not callable(on_released):
-            raise KVOffloadError(f"on_released must be callable (called with each released lifecycle), got {on_released!r}")
+            raise KVOffloadError(
+                f"on_released must be callable (called with each released lifecycle), got {on_released!r}"
+            )
         self.config = config
         self.backend: EventBackend = resolve_backend(backend)
         self.storage: Storage | None = resolve_storage(storage)
@@ -139,7 +141,9 @@ class DriverBase:
                 if t.id in core.inflight and t.id not in seen:
                     seen.add(t.id)
                     known.append((t, e))
-            logger.error("manager.step_failed", step="deliver", skipped=len(batch) - len(known), error=repr(exc))
+            logger.error(
+                "manager.step_failed", step="deliver", skipped=len(batch) - len(known), error=repr(exc)
+            )
             return core.complete(known)
 
     # --- state shared with tests and tools -----------------------------------------------
@@ -166,6 +170,10 @@ class DriverBase:
             raise KVOffloadError(f"{what} needs an open manager: {self._open_hint()}")
 
     def _open_hint(self) -> str:
+        raise NotImplementedError
+
+    def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]:
+        """``await lc.wait_released()`` / ``wait_quiescent()`` (the driver's way of waiting)."""
         raise NotImplementedError
 
     # --- registry ------------------------------------------------------------------------
@@ -207,15 +215,6 @@ class DriverBase:
 
     # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
 
-    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None:
-        """``lc.extend(tokens, pages=, ready=)`` (called by the lifecycle, after its owner check)."""
-        if pages is not None:
-            raise KVOffloadError(
-                f"{lc!r}: extend(pages=...) hands over engine pages, but this manager owns its device "
-                "pool (device_pages is set): leave pages out"
-            )
-        self.core.extend(lc, tokens, ready=ready)
-
     def finish_lifecycle(self, lc: Lifecycle) -> None:
         """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``."""
         self._released(self.core.finish(lc), raise_errors=True)
@@ -255,7 +254,8 @@ class DriverBase:
             n = len(toks) - len(toks) % ps
         elif type(n) is not int or not 0 <= n <= len(toks) or n % ps:
             raise InvalidTokens(
-                f"fetch n={n!r} must be a multiple of page_size ({ps}) between 0 and len(tokens) ({len(toks)})"
+                f"fetch n={n!r} must be a multiple of page_size ({ps}) "
+                f"between 0 and len(tokens) ({len(toks)})"
             )
         return chain_keys_packed(chain_seed, pack_tokens(toks[:n]), ps)
 
@@ -312,4 +312,5 @@ class DriverBase:
 
     def __repr__(self) -> str:
         core = self.core
-        return f"<{type(self).__name__} backend={self.backend.name} live={len(core.live)} inflight={len(core.inflight)}>"
+        name = type(self).__name__
+        return f"<{name} backend={self.backend.name} live={len(core.live)} inflight={len(core.inflight)}>"

@@ -12,6 +12,7 @@ caller's code, and the manager may be entered and left in different tasks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from _thread import get_ident
@@ -104,7 +105,11 @@ class OffloadManager(DriverBase):
 
             self._writer = AsyncWriter(self.storage, self.host_pool, self.write_policy, self._write_finished)
             self._spawn(self._writer.run, "kvoffload.storage-writer")
-        if self.config.stuck_after_s is not None or self.config.on_host_full == "wait" or self.backend.needs_polling:
+        if (
+            self.config.stuck_after_s is not None
+            or self.config.on_host_full == "wait"
+            or self.backend.needs_polling
+        ):
             self._spawn(self._tick_loop, "kvoffload.timers")
         self._open = True
         return self
@@ -182,11 +187,8 @@ class OffloadManager(DriverBase):
             for task in self._tasks:
                 task.cancel()
             for task in self._tasks:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await task
-                    except BaseException:  # noqa: S110 - a cancelled task ends with its error
-                        pass
+                with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+                    await task  # a cancelled task ends with its cancellation
             self._tasks.clear()
             self.backend.close()
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start)) + _JOIN_GRACE_S
@@ -205,7 +207,8 @@ class OffloadManager(DriverBase):
         if self.backend.join(0):
             return True
         with anyio.CancelScope(shield=True):
-            return await anyio.to_thread.run_sync(self.backend.join, timeout, abandon_on_cancel=False)
+            joined = await anyio.to_thread.run_sync(self.backend.join, timeout, abandon_on_cancel=False)
+        return joined
 
     # --- driving the movers ------------------------------------------------------------
 
@@ -319,7 +322,9 @@ class OffloadManager(DriverBase):
         still in flight or deferred: nothing will finish it."""
         while not (lc.released if released else lc.quiescent):
             if self._closed and not lc.quiescent:
-                raise KVOffloadError(f"{lc!r}: the manager is closed; its chunk in flight will never complete")
+                raise KVOffloadError(
+                    f"{lc!r}: the manager is closed; its chunk in flight will never complete"
+                )
             # One waker per lifecycle and kind, shared by every waiter (the core sets it once).
             ev = lc._released_ev if released else lc._quiet_ev
             if ev is None:

@@ -284,7 +284,9 @@ class SyncOffloadManager(DriverBase):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 stuck = list(core.inflight.values())
-                raise DrainTimeout(f"quiesce: {len(stuck)} copies still in flight after {timeout}s: {stuck[:4]!r}")
+                raise DrainTimeout(
+                    f"quiesce: {len(stuck)} copies still in flight after {timeout}s: {stuck[:4]!r}"
+                )
             self._wait(left)
 
     def wait_released(self, lc: Lifecycle, timeout: float | None = None) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from kvoffload.core.events import STRUCTLOG, debug_enabled
-from kvoffload.errors import WrongThread
+from kvoffload.errors import KVOffloadError, WrongThread
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
@@ -53,8 +53,6 @@ class LifecycleHost(Protocol):
     event through the core and then does the driver's part (starting copies on the next
     turn, calling ``on_released``).
     """
-
-    def extend_lifecycle(self, lc: Lifecycle, tokens: Sequence[int], pages: Any, ready: Any) -> None: ...
 
     def finish_lifecycle(self, lc: Lifecycle) -> None: ...
 
@@ -218,16 +216,18 @@ class Lifecycle:
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.extend()")
         # Fast path, the common decode step: a list of valid token ids, in a state where
-        # extend is a pure self-loop (from the compiled table), no new page, no chunk due.
-        # Everything else - errors included - goes through the full path.
+        # extend is a pure self-loop (from the compiled table), no chunk due; a new page
+        # is allocated inline. Everything else - errors included - takes the full path.
         if pages is None and ready is None and type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
             tail = self._tail
             n0 = len(tail)
             committed = self.committed + len(tokens)
-            if committed <= self._cap and committed < self.due:
+            if committed < self.due:
                 try:
                     tail.extend(tokens)
-                except (TypeError, OverflowError, ValueError):
+                    if committed > self._cap:  # a new page, allocated inline
+                        self._core.grow(self, committed)
+                except (TypeError, OverflowError, ValueError, KVOffloadError):
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
                     self.committed = committed
@@ -235,7 +235,7 @@ class Lifecycle:
                     if core.listeners or (STRUCTLOG.is_configured and debug_enabled()):
                         core.emit_transition(self, self._s, self._s, _EXTEND)
                     return
-        self._host.extend_lifecycle(self, tokens, pages, ready)
+        self._core.extend(self, tokens, pages=pages, ready=ready)
 
     def finish(self) -> None:
         """The request finished decoding: flush the page-aligned remainder (F12), then
@@ -295,4 +295,3 @@ class Lifecycle:
 
     def __repr__(self) -> str:
         return f"<Lifecycle #{self.id} rid={self.rid!r} {STATES[self._s].name} inflight={self.inflight}>"
-

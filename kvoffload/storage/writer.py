@@ -24,6 +24,7 @@ totals at the first success.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections import deque
@@ -225,10 +226,8 @@ class ThreadWriter(threading.Thread):
                     self._progress.notify_all()
                 del job, result
         finally:
-            try:
+            with contextlib.suppress(Exception):  # a store that fails to close: nothing is left to lose
                 await self.storage.aclose()
-            except Exception:  # a store that fails to close: nothing is left to lose
-                pass
 
     def put(self, jobs: list[WriteJob]) -> None:
         """Hand ``jobs`` to the thread (owner thread; never blocks)."""
@@ -280,7 +279,5 @@ class ThreadWriter(threading.Thread):
         if self._halted or loop is None or queue is None:
             return
         self._halted = True
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop already ended
             loop.call_soon_threadsafe(queue.put_nowait, None)
-        except RuntimeError:  # the loop already ended
-            pass

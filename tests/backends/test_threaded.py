@@ -4,7 +4,6 @@ the loop inbox (one wake-up per batch, nothing stranded), backend choice by name
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import anyio
