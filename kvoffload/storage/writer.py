@@ -198,13 +198,15 @@ class ThreadWriter(threading.Thread):
         self._inflight = 0
         self._progress = threading.Condition(self._lock)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._started = threading.Event()
+        # _ready: set once the loop runs (not `_started`: that is threading.Thread's own event,
+        # set before run() begins, so start() returned before `_loop` existed).
+        self._ready = threading.Event()
         self._queue: asyncio.Queue[WriteJob | None] | None = None
         self._stopped = False
 
     def start(self) -> None:
         super().start()
-        self._started.wait()
+        self._ready.wait()
 
     def run(self) -> None:
         asyncio.run(self._main())
@@ -212,7 +214,7 @@ class ThreadWriter(threading.Thread):
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._started.set()
+        self._ready.set()
         try:
             while True:
                 job = await self._queue.get()
