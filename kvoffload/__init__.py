@@ -18,7 +18,7 @@ from kvoffload.errors import (
     StorageError,
     WrongThread,
 )
-from kvoffload.keys import chain_keys, page_key
+from kvoffload.keys import chain_keys, namespace_seed, page_key
 from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
 from kvoffload.core.stats import Statistics
 from kvoffload.drivers import OffloadManager, SyncOffloadManager
@@ -52,5 +52,6 @@ __all__ = [
     "WrongThread",
     "__version__",
     "chain_keys",
+    "namespace_seed",
     "page_key",
 ]

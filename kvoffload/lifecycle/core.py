@@ -224,9 +224,14 @@ class Lifecycle:
             tail = self._tail
             n0 = len(tail)
             committed = self.committed + len(tokens)
-            if committed <= self._cap and committed < self.due:
+            # A uint64 tail (an id >= 2**32 was committed) takes the full path: array("Q")
+            # would take ids >= 2**63. So does a bool, which array("I") takes as 0 or 1
+            # (and so an id 0 or 1, which equals one).
+            if committed <= self._cap and committed < self.due and tail.typecode == TOKEN_TYPECODE:
                 try:
                     tail.extend(tokens)
+                    if True in tokens or False in tokens:
+                        raise TypeError
                 except (TypeError, OverflowError, ValueError):
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
