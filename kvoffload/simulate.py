@@ -60,11 +60,13 @@ def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
             return resolve_storage(tmp), f"file ({tmp}, removed at exit)"
         except ConfigError:
             return resolve_storage("memory"), "memory (no file store in this build)"
+    from kvoffload.storage._url import redact, scrub
+
     try:
         store = resolve_storage(name)
     except ConfigError as exc:
-        raise ValueError(f"--store: {exc}") from None
-    return store, name
+        raise ValueError(f"--store: {scrub(str(exc), name)}") from None
+    return store, redact(name)  # the summary and its JSON never show a password (F23)
 
 
 async def simulate(
@@ -133,9 +135,10 @@ async def simulate(
         )
     if recorder is not None and not isinstance(trace, TraceRecorder):
         recorder.write(Path(trace))
-    return _report(
-        spec, config, faulty.name, store_desc or str(storage), result, monitor, stats, error, faulty
-    )
+    from kvoffload.storage._url import redact
+
+    shown = redact(store_desc or str(storage))  # F23: a URL handed in directly is shown redacted too
+    return _report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
 
 
 def run_simulation(

@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError, MissingDependency, StorageError
 from kvoffload.storage._record import decode, encode_header
+from kvoffload.storage._url import redact, scrub
 
 if TYPE_CHECKING:
     import redis.asyncio
@@ -74,10 +75,9 @@ class RedisStorage(Storage):
         if ttl_s is not None and not ttl_s > 0:
             raise ConfigError(f"redis storage: ttl_s must be > 0 or None, got {ttl_s!r}")
         self.url = urlunsplit(parts._replace(query=urlencode(rest)))
-        # For logs and errors: the URL without its password.
-        self.display_url = self.url
-        if parts.password is not None:
-            self.display_url = self.url.replace(f":{parts.password}@", ":***@", 1)
+        # For repr, describe(), logs and errors: the URL without its secrets (F23).
+        self.display_url = redact(url)
+        self._raw_url = url
         self.prefix = prefix
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         aredis = _redis_asyncio()
@@ -92,7 +92,9 @@ class RedisStorage(Storage):
                 retry=Retry(NoBackoff(), 0),
             )
         except ValueError as exc:
-            raise ConfigError(f"redis storage: bad URL {self.display_url!r}: {exc}") from exc
+            raise ConfigError(
+                f"redis storage: bad URL {self.display_url!r}: {scrub(str(exc), url)}"
+            ) from None
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -136,7 +138,8 @@ class RedisStorage(Storage):
         try:
             result: list[Any] = await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StorageError(f"redis storage at {self.display_url}: {what} failed: {exc!r}") from exc
+            detail = scrub(repr(exc), self._raw_url)
+            raise StorageError(f"redis storage at {self.display_url}: {what} failed: {detail}") from exc
         return result
 
     async def aclose(self) -> None:
