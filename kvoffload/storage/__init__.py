@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from kvoffload.storage.writer import WritePolicy
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError
+from kvoffload.storage.writer import WritePolicy
 
 __all__ = ["STORAGES", "WritePolicy", "resolve_storage"]
 

@@ -28,16 +28,19 @@ import re
 import socket
 import stat
 import time
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError, StorageError
-from kvoffload.storage._record import decode, encode_header, header_size, payload_offset
+from kvoffload.storage._pages import page_views
+from kvoffload.storage._record import decode, encode_header, header_size, intact, payload_offset
+
+if TYPE_CHECKING:
+    from kvoffload.pools import HostPool
 
 __all__ = ["DEFAULT_MODE", "FileStorage"]
 
@@ -167,7 +170,15 @@ class FileStorage(Storage):
         if keys:
             await anyio.to_thread.run_sync(self._put_sync, list(keys), list(pages))
 
-    def _put_sync(self, keys: list[str], pages: list[bytes]) -> None:
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        """Write each host page from the pool's memory (no copy): header and page go out
+        in one ``writev`` on the worker thread, which also computes the checksum."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        if keys:
+            await anyio.to_thread.run_sync(self._put_sync, list(keys), page_views(host_pool, host_pages))
+
+    def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
         try:
             root_fd = self._open_root(create=True)
         except OSError as exc:
@@ -258,9 +269,10 @@ class FileStorage(Storage):
                             return i
                         if dest is not None:
                             out = dest[i].cast("B")
-                            if found[1] != out.nbytes or f.readinto(out) != out.nbytes:
+                            if found.length != out.nbytes:
                                 return i
-                            if zlib.crc32(out) != found[2]:
+                            f.seek(found.offset)  # a version 1 header is shorter than what was read
+                            if f.readinto(out) != out.nbytes or not intact(found, out):
                                 return i
                     except OSError as exc:
                         raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
