@@ -19,7 +19,7 @@ from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.workload import WorkloadSpec
 
-__all__ = ["choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+__all__ = ["check_workload", "choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
 
 
 def choose_backend(name: str = "auto") -> str:
@@ -42,6 +42,26 @@ def choose_backend(name: str = "auto") -> str:
             f"(torch {torch.__version__}); use --backend cpu or auto"
         )
     return name
+
+
+def check_workload(spec: WorkloadSpec, config: OffloadConfig) -> None:
+    """Raise :class:`~kvoffload.ConfigError` when a request of ``spec`` can never run on
+    ``config``: its prompt needs more device pages than the pool has, so its admit
+    would wait for ever (the scheduler retries it as pages come back, and none ever
+    would be enough). A request that outgrows the pool while decoding is preempted,
+    not stuck, and is fine."""
+    from kvoffload.errors import ConfigError
+    from kvoffload.workload import plan
+
+    ps = config.page_size
+    worst = max(plan(spec), key=lambda p: p.prompt_len, default=None)
+    if worst is not None and -(-worst.prompt_len // ps) > config.device_pages:
+        need = -(-worst.prompt_len // ps)
+        raise ConfigError(
+            f"request {worst.index}'s prompt of {worst.prompt_len} tokens needs {need} device pages of "
+            f"{ps} tokens, but the device pool has {config.device_pages}: it could never be admitted "
+            "(raise --device-pages, or lower --prompt-mean)"
+        )
 
 
 def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
@@ -86,12 +106,13 @@ async def simulate(
     False and ``report["ledger"]["error"]`` says why.
     """
     from kvoffload.backends import resolve_backend
-    from kvoffload.errors import KVOffloadError
     from kvoffload.drivers.asyncio import OffloadManager
+    from kvoffload.errors import KVOffloadError
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan
 
+    check_workload(spec, config)
     requests = plan(spec)
     monitor = RunMonitor()
     recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder() if trace is not None else None
