@@ -20,7 +20,7 @@ from kvoffload.errors import (
     StorageError,
     WrongThread,
 )
-from kvoffload.keys import chain_keys, page_key
+from kvoffload.keys import chain_keys, namespace_seed, page_key
 from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
 
 __version__ = "0.1.0"
@@ -52,5 +52,6 @@ __all__ = [
     "WrongThread",
     "__version__",
     "chain_keys",
+    "namespace_seed",
     "page_key",
 ]

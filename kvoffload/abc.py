@@ -275,6 +275,26 @@ class Storage(abc.ABC):
         ``ValueError`` (nothing stored) when ``len(keys) != len(pages)``.
         """
 
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        """Store host page ``host_pages[i]`` of ``host_pool`` (a
+        :class:`~kvoffload.pools.HostPool`) under ``keys[i]``: what the storage writer
+        calls for each copied chunk. The pages are held (nobody writes them) until this
+        returns; a store must not keep a reference to their memory after that.
+
+        Same guarantees and errors as :meth:`put`. The default reads each page out as
+        ``bytes`` (one copy, in the writer's own context) and calls :meth:`put`; the
+        file and redis stores override it to write from the pool's memory directly. A
+        store that reads pinned host memory by page index (as SGLang's do) overrides it.
+        """
+        from kvoffload.pools import page_views
+
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        views = page_views(host_pool, host_pages)
+        pages = _copied(views)
+        del views  # no reference to the pool's memory outlives the call
+        await self.put(keys, pages)
+
     @abc.abstractmethod
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
         """The bytes under each key, ``None`` where missing or unreadable.
@@ -323,3 +343,8 @@ class Storage(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """A small dict for logs and summaries."""
         return {"storage": self.name}
+
+
+def _copied(views: list[memoryview]) -> list[bytes]:
+    """The bytes of each view (one copy each)."""
+    return [v.tobytes() for v in views]

@@ -8,13 +8,18 @@ store — shows a progress bar, prints a summary and exits non-zero if the ledge
 check fails. ``graph`` draws the lifecycle from its declaration.
 
 Exit codes: 0 ok; 1 an invariant failed (or a completion reached the wrong
-lifecycle); 2 bad options; 3 a missing optional dependency.
+lifecycle); 2 bad options, or a workload that could never run (a request that can
+never fit the device pool); 3 a missing optional dependency; 130 / 143 stopped by
+SIGINT / SIGTERM (FAILURES F27): the run stops promptly, removes its temporary store,
+prints one line and no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -24,6 +29,17 @@ from typing import Any
 __all__ = ["main"]
 
 EXIT_OK, EXIT_INVARIANT, EXIT_USAGE, EXIT_MISSING = 0, 1, 2, 3
+#: The signals that stop a run; each exits 128 + its number (130, 143).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(BaseException):
+    """A stop signal arrived: unwind (every ``finally`` and context exit runs), then exit
+    ``128 + signum``. A BaseException, so no ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], what: str) -> Callable[[str], Any]:
@@ -116,10 +132,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrapper_class=structlog.make_filtering_bound_logger(args.log_level.upper()),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
+        for sig in STOP_SIGNALS:  # outside the event loop: unwind from wherever we are
+            signal.signal(sig, _raise_stopped)
         return _simulate(args)
+    except (Stopped, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"kvoffload: stopped by {name}; the run's temporary store was removed", file=sys.stderr)
+        return 128 + signum
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         structlog.configure(**saved)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
 
 
 def _fail(code: int, message: str) -> int:
@@ -157,7 +187,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     import kvoffload as kvo
-    from kvoffload.simulate import choose_backend, choose_store
+    from kvoffload.simulate import check_workload, choose_backend, choose_store
     from kvoffload.workload import WorkloadSpec
 
     for path, opt in ((args.json, "--json"), (args.trace, "--trace")):
@@ -186,6 +216,7 @@ def _simulate(args: argparse.Namespace) -> int:
             stuck_after_s=args.stuck_after_ms / 1000,
             watchdog_interval_s=max(0.001, min(0.1, args.stuck_after_ms / 4000)),
         )
+        check_workload(spec, config)  # a request that could never be admitted would hang the run
         backend = choose_backend(args.backend)
     except (kvo.ConfigError, ValueError) as exc:
         return _fail(EXIT_USAGE, str(exc))
@@ -194,10 +225,12 @@ def _simulate(args: argparse.Namespace) -> int:
             storage, store_desc = choose_store(args.store, stack)
         except ValueError as exc:
             return _fail(EXIT_USAGE, str(exc))
-        from kvoffload.simulate import run_simulation
+        from kvoffload.simulate import simulate
 
-        report = run_simulation(
-            spec, config, backend, storage, store_desc, progress=not args.no_progress, trace=args.trace
+        report = _run_until_stopped(
+            lambda: simulate(
+                spec, config, backend, storage, store_desc, progress=not args.no_progress, trace=args.trace
+            )
         )
     from kvoffload.simulate import print_summary
 
@@ -207,6 +240,39 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.trace is not None:
         print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
     return EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
+
+
+def _run_until_stopped(make: Callable[[], Any]) -> Any:
+    """Run the coroutine ``make()`` on a fresh event loop; a stop signal cancels it (its
+    ``finally`` blocks and context exits run on the loop: the manager drains and closes)
+    and then raises :class:`Stopped`. A second signal while it unwinds is ignored."""
+    received: list[int] = []
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+
+        def stop(signum: int) -> None:
+            if not received:
+                received.append(signum)
+                task.cancel()
+
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop, sig)
+        try:
+            return await make()
+        finally:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, _raise_stopped)
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if received:
+            raise Stopped(received[0]) from None
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

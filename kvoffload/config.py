@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Literal
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["OffloadConfig"]
+__all__ = ["MIN_WATCHDOG_INTERVAL_S", "OffloadConfig", "physical_memory"]
 
-_DTYPES = ("float16", "bfloat16", "float32", "uint8", "int8", "int32")
+#: Bytes per element of each dtype a pool may have.
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1, "int8": 1, "int32": 4}
+_DTYPES = tuple(_ITEMSIZE)
+#: The watchdog looks at most this often: an idle manager must not spin (1 ms).
+MIN_WATCHDOG_INTERVAL_S = 1e-3
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM on this machine (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _number(v: object) -> bool:
+    """A real number: an int or float, not a bool (``True`` is an int to Python)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +54,7 @@ class OffloadConfig:
     """torch dtype name of the KV pages."""
     offload_prompt: bool = False
     """Offload the prompt's page-aligned part too (as the first chunk). By default the
-    prefill side is taken to have stored it already."""
+    prefill side is taken to have stored it already. A ``bool``: ``"no"`` is refused."""
     on_host_full: Literal["drop", "wait"] = "drop"
     """When the host pool has no room for a chunk: ``"drop"`` counts a drop and retries
     one stride later; ``"wait"`` defers the chunk until host pages return, for at most
@@ -49,7 +67,14 @@ class OffloadConfig:
     """Watchdog: a copy in flight longer than this is reported (its lifecycle, the
     transfer, its age), once per transfer."""
     watchdog_interval_s: float = 1.0
-    """How often the watchdog looks, in seconds."""
+    """How often the watchdog looks, in seconds (at least 1 ms)."""
+    namespace: str | None = None
+    """The deployment's namespace (a model, a LoRA adapter, a tenant): every chain,
+    ``lookup`` and ``fetch`` of the manager is seeded with
+    ``namespace_seed(extra_key=namespace)`` unless the call passes its own
+    ``chain_seed``. Managers of other namespaces on the same store never see these
+    pages (FAILURES F22). ``None``: unseeded chains, SGLang's keys for requests without
+    an ``extra_key``."""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "stride", "device_pages", "host_pages"):
@@ -71,20 +96,43 @@ class OffloadConfig:
             raise ConfigError(f"kv_shape must be a non-empty tuple of positive ints, got {self.kv_shape!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if type(self.offload_prompt) is not bool:
+            raise ConfigError(f"offload_prompt must be True or False, got {self.offload_prompt!r}")
         if self.on_host_full not in ("drop", "wait"):
             raise ConfigError(f"on_host_full must be 'drop' or 'wait', got {self.on_host_full!r}")
-        if not isinstance(self.watchdog_interval_s, (int, float)) or not self.watchdog_interval_s > 0:
-            raise ConfigError(  # 0 would make the watchdog task spin
-                f"watchdog_interval_s must be > 0, got {self.watchdog_interval_s!r}"
-            )
         for name in ("host_wait_s", "watchdog_interval_s"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not _number(v) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.watchdog_interval_s < MIN_WATCHDOG_INTERVAL_S:
+            raise ConfigError(  # a shorter one makes an idle manager's watchdog spin
+                f"watchdog_interval_s must be >= {MIN_WATCHDOG_INTERVAL_S} (1 ms), "
+                f"got {self.watchdog_interval_s!r}"
+            )
         for name in ("drain_timeout_s", "stuck_after_s"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, (int, float)) or v < 0 or math.isnan(v)):
+            if v is not None and (not _number(v) or v < 0 or math.isnan(v)):
                 raise ConfigError(f"{name} must be None or a number >= 0, got {v!r}")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or not self.namespace):
+            raise ConfigError(f"namespace must be a non-empty str or None, got {self.namespace!r}")
+        if self.namespace is not None:
+            try:
+                self.namespace.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"namespace is not encodable as UTF-8: {exc}") from None
+        ram = physical_memory()
+        for name in ("device_pages", "host_pages"):
+            size = getattr(self, name) * self.page_bytes
+            if ram is not None and size > ram:  # refused before torch tries (and the OOM killer acts)
+                raise ConfigError(
+                    f"{name}={getattr(self, name)} is a pool of {size:,} bytes ({self.page_bytes:,} bytes a "
+                    f"page), more than this machine's {ram:,} bytes of RAM"
+                )
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: ``page_size * prod(kv_shape) * itemsize(dtype)``."""
+        return self.page_size * math.prod(self.kv_shape) * _ITEMSIZE[self.dtype]
 
     @property
     def stride_pages(self) -> int:

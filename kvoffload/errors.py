@@ -27,7 +27,8 @@ class KVOffloadError(Exception):
 
 
 class ConfigError(KVOffloadError, ValueError):
-    """An :class:`~kvoffload.OffloadConfig` value (or a backend/storage name) is invalid."""
+    """An :class:`~kvoffload.OffloadConfig` value (or a backend/storage name, a chain
+    seed or a namespace) is invalid."""
 
 
 class InvalidTransition(KVOffloadError):
@@ -47,7 +48,9 @@ class InvalidTransition(KVOffloadError):
 
 
 class InvalidTokens(KVOffloadError, ValueError):
-    """Token ids that are not a sequence of ints in ``[0, 2**32)``."""
+    """Token ids that are not an ordered sequence of ints in ``[0, 2**63)`` (bools,
+    floats, sets, dicts, float tensors and str are refused); the message names the
+    first bad element."""
 
 
 class PoolExhausted(KVOffloadError):

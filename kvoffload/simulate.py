@@ -19,7 +19,7 @@ from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.workload import WorkloadSpec
 
-__all__ = ["choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+__all__ = ["check_workload", "choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
 
 
 def choose_backend(name: str = "auto") -> str:
@@ -44,6 +44,26 @@ def choose_backend(name: str = "auto") -> str:
     return name
 
 
+def check_workload(spec: WorkloadSpec, config: OffloadConfig) -> None:
+    """Raise :class:`~kvoffload.ConfigError` when a request of ``spec`` can never run on
+    ``config``: its prompt needs more device pages than the pool has, so its admit
+    would wait for ever (the scheduler retries it as pages come back, and none ever
+    would be enough). A request that outgrows the pool while decoding is preempted,
+    not stuck, and is fine."""
+    from kvoffload.errors import ConfigError
+    from kvoffload.workload import plan
+
+    ps = config.page_size
+    worst = max(plan(spec), key=lambda p: p.prompt_len, default=None)
+    if worst is not None and -(-worst.prompt_len // ps) > config.device_pages:
+        need = -(-worst.prompt_len // ps)
+        raise ConfigError(
+            f"request {worst.index}'s prompt of {worst.prompt_len} tokens needs {need} device pages of "
+            f"{ps} tokens, but the device pool has {config.device_pages}: it could never be admitted "
+            "(raise --device-pages, or lower --prompt-mean)"
+        )
+
+
 def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
     """(storage for the manager, a description) for ``name``: ``auto`` is the file store
     in a temporary directory (removed when ``stack`` closes) when this build has it,
@@ -60,11 +80,13 @@ def choose_store(name: str, stack: ExitStack) -> tuple[Any, str]:
             return resolve_storage(tmp), f"file ({tmp}, removed at exit)"
         except ConfigError:
             return resolve_storage("memory"), "memory (no file store in this build)"
+    from kvoffload.storage._url import redact, scrub
+
     try:
         store = resolve_storage(name)
     except ConfigError as exc:
-        raise ValueError(f"--store: {exc}") from None
-    return store, name
+        raise ValueError(f"--store: {scrub(str(exc), name)}") from None
+    return store, redact(name)  # the summary and its JSON never show a password (F23)
 
 
 async def simulate(
@@ -90,6 +112,7 @@ async def simulate(
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan
 
+    check_workload(spec, config)
     requests = plan(spec)
     monitor = RunMonitor()
     recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder() if trace is not None else None
@@ -133,9 +156,10 @@ async def simulate(
         )
     if recorder is not None and not isinstance(trace, TraceRecorder):
         recorder.write(Path(trace))
-    return _report(
-        spec, config, faulty.name, store_desc or str(storage), result, monitor, stats, error, faulty
-    )
+    from kvoffload.storage._url import redact
+
+    shown = redact(store_desc or str(storage))  # F23: a URL handed in directly is shown redacted too
+    return _report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
 
 
 def run_simulation(

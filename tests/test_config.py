@@ -27,7 +27,16 @@ GOOD: dict[str, Any] = dict(page_size=4, stride=8, device_pages=16, host_pages=1
         ({"on_host_full": "block"}, "on_host_full"),
         ({"host_wait_s": -1}, "host_wait_s"),
         ({"drain_timeout_s": -1}, "drain_timeout_s"),
-        ({"watchdog_interval_s": 0}, "watchdog_interval_s must be > 0"),
+        ({"watchdog_interval_s": 0}, "watchdog_interval_s must be >= 0.001"),
+        ({"watchdog_interval_s": 1e-12}, "watchdog_interval_s must be >= 0.001"),
+        ({"watchdog_interval_s": float("inf")}, "watchdog_interval_s must be a finite number"),
+        ({"offload_prompt": "no"}, "offload_prompt must be True or False, got 'no'"),
+        ({"offload_prompt": 1}, "offload_prompt must be True or False"),
+        ({"host_wait_s": True}, "host_wait_s must be a finite number"),
+        ({"drain_timeout_s": False}, "drain_timeout_s must be None or a number"),
+        ({"namespace": ""}, "namespace must be a non-empty str or None"),
+        ({"namespace": b"lora"}, "namespace must be a non-empty str or None"),
+        ({"namespace": "\ud800"}, "namespace is not encodable as UTF-8"),
     ],
 )
 def test_bad_config_raises_config_error_naming_the_field(change: dict[str, Any], words: str) -> None:
@@ -47,3 +56,25 @@ def test_unknown_backend_and_storage_are_config_errors() -> None:
         kvo.OffloadManager(cfg, backend="gpu")
     with pytest.raises(kvo.ConfigError, match="unknown storage"):
         kvo.OffloadManager(cfg, storage=42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field", ["device_pages", "host_pages"])
+def test_a_pool_larger_than_the_machine_is_refused_with_its_byte_count(field: str) -> None:
+    """A pool that could never be allocated is a ConfigError naming the field and the
+    pool's size in bytes, raised by the config, before torch tries (and the OOM killer
+    acts): no manager, no tensor."""
+    from kvoffload.config import physical_memory
+
+    ram = physical_memory()
+    if ram is None:
+        pytest.skip("this OS does not report its RAM (os.sysconf)")
+    pages = ram // 4096 + 1  # pages of 4096 bytes: one page more than the machine has
+    change = {field: pages, "kv_shape": (1024,), "dtype": "float32", "page_size": 1, "stride": 1}
+    with pytest.raises(kvo.ConfigError, match=rf"{field}={pages} is a pool of {pages * 4096:,} bytes"):
+        kvo.OffloadConfig(**{**GOOD, **change})
+
+
+def test_page_bytes_and_namespace_are_kept() -> None:
+    cfg = kvo.OffloadConfig(**GOOD, kv_shape=(3, 5), dtype="bfloat16", namespace="lora-a")
+    assert cfg.page_bytes == 4 * 15 * 2
+    assert cfg.namespace == "lora-a"

@@ -8,7 +8,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from structlog.testing import capture_logs
 from support import FakeClock, complete_everything, open_manager, toks, unchanged
 
@@ -132,8 +134,17 @@ async def test_extend_needing_a_page_with_full_device_pool_changes_nothing() -> 
 
 BAD_TOKENS = [
     pytest.param([0, -1], id="negative"),
-    pytest.param([2**32], id="too-large"),
+    pytest.param([2**63], id="too-large"),
+    pytest.param([2**32, 2**64], id="too-large-wide"),
     pytest.param([1, 2.0], id="float"),
+    pytest.param([5, True], id="bool"),
+    pytest.param([False], id="bool-only"),
+    pytest.param({1, 2}, id="set"),
+    pytest.param({1: 2}, id="dict"),
+    pytest.param(torch.tensor([1.0, 2.0]), id="float-tensor"),
+    pytest.param(torch.tensor([True]), id="bool-tensor"),
+    pytest.param(np.array([1.5]), id="float-ndarray"),
+    pytest.param(torch.tensor([[1, 2]]), id="2d-tensor"),
     pytest.param("abcd", id="str"),
     pytest.param(b"abcd", id="bytes"),
     pytest.param([1, "2"], id="str-element"),
@@ -143,8 +154,9 @@ BAD_TOKENS = [
 
 @pytest.mark.parametrize("bad", BAD_TOKENS)
 async def test_bad_tokens_raise_invalid_tokens_and_change_nothing(backend: SimBackend, bad: Any) -> None:
-    """Token ids that are not ints in [0, 2**32) are refused by admit() and extend()
-    with InvalidTokens; nothing is allocated, committed or counted."""
+    """Token ids that are not ints in [0, 2**63), or not in an ordered sequence, are
+    refused by admit() and extend() with InvalidTokens; nothing is allocated, committed
+    or counted."""
     async with open_manager(backend) as mgr:
         lc = mgr.admit("ok", prompt=toks(0, 3))
         before, before_lc = mgr.statistics(), snapshot(lc)

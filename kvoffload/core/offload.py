@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from _thread import get_ident
+from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.core.events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger, notify_listeners
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import InvalidTransition, KVOffloadError
-from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
+from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleHost, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE
@@ -194,7 +195,7 @@ class OffloadCore:
             lc.due = aligned  # the prompt's page-aligned part is the first chunk
         else:  # taken as stored by the prefill side; its pages seed the chain
             if aligned:
-                lc.chain_key = chain_keys_packed(chain_seed, pack_tokens(tokens[:aligned]), ps)[-1]
+                lc.chain_key = page_run_keys(chain_seed, tokens[:aligned], ps)[-1]
             lc.submitted = aligned
             lc._tail = tokens[aligned:]
             lc.due = aligned + cfg.stride
@@ -251,6 +252,11 @@ class OffloadCore:
             lc.device_pages += self.device_pool.allocate(need)
             lc._cap = len(lc.device_pages) * ps
         lc.committed = committed
+        if toks.typecode != lc._tail.typecode:  # an id >= 2**32: this tail holds uint64 from now on
+            if lc._tail.typecode == TOKEN_TYPECODE:
+                lc._tail = array(WIDE_TYPECODE, lc._tail)
+            else:
+                toks = array(WIDE_TYPECODE, toks)
         lc._tail += toks
         if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
             self._fire(lc, _EXTEND)  # a self-loop in every state it is legal in: only its event
@@ -358,7 +364,7 @@ class OffloadCore:
             self._host_full(lc, wanted)
             return False
         first = lc.submitted // ps
-        keys = chain_keys_packed(lc.chain_key, pack_tokens(lc._tail[:n]), ps)
+        keys = page_run_keys(lc.chain_key, lc._tail[:n], ps)
         now = self.clock()
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
         t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)

@@ -22,7 +22,7 @@ from kvoffload.core.events import Listener, logger
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import KVOffloadError, StorageError
-from kvoffload.keys import chain_keys_packed, pack_tokens, validate_tokens
+from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import Lifecycle, wrong_thread
 from kvoffload.lifecycle.table import validate
 
@@ -89,6 +89,8 @@ class DriverBase:
                 f"on_released must be callable (called with each released lifecycle), got {on_released!r}"
             )
         self.config = config
+        # _namespace_seed: the chain seed of every call that passes none (F22).
+        self._namespace_seed = namespace_seed(extra_key=config.namespace)
         self.backend: EventBackend = resolve_backend(backend)
         self.storage: Storage | None = resolve_storage(storage)
         self.write_policy = write_policy if write_policy is not None else WritePolicy()
@@ -191,13 +193,19 @@ class DriverBase:
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
         the two never share state. ``tag`` is the engine's handle, carried as
-        ``lc.tag``; ``chain_seed`` seeds the page-key chain. Raises
+        ``lc.tag``; ``chain_seed`` seeds the page-key chain (default: the config's
+        ``namespace`` seed; ``""`` for none). Raises :class:`~kvoffload.ConfigError` for a
+        seed that is not hex,
         :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`, or the
         backend's error when it refuses the ``offload_prompt`` chunk, with nothing
         changed; :class:`~kvoffload.WrongThread` off the owner thread.
         """
         self._check_open("admit()")
-        return self.core.admit(rid, prompt, tag=tag, chain_seed=chain_seed)
+        return self.core.admit(rid, prompt, tag=tag, chain_seed=self._seed(chain_seed))
+
+    def _seed(self, chain_seed: str | None) -> str | None:
+        """``chain_seed`` (checked), or the namespace's seed when it is None."""
+        return self._namespace_seed if chain_seed is None else check_seed(chain_seed)
 
     def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
         """Live lifecycles, oldest first; with ``rid``, those labelled ``rid`` (there may be
@@ -257,7 +265,7 @@ class DriverBase:
                 f"fetch n={n!r} must be a multiple of page_size ({ps}) "
                 f"between 0 and len(tokens) ({len(toks)})"
             )
-        return chain_keys_packed(chain_seed, pack_tokens(toks[:n]), ps)
+        return page_run_keys(self._seed(chain_seed), toks[:n], ps)
 
     def _store(self) -> Storage:
         if self.storage is None:

@@ -222,9 +222,17 @@ class Lifecycle:
             tail = self._tail
             n0 = len(tail)
             committed = self.committed + len(tokens)
-            if committed < self.due:
+            # A uint64 tail (an id >= 2**32 was committed) takes the full path: array("Q")
+            # would take ids >= 2**63. So does a bool, which array("I") takes as 0 or 1.
+            if committed < self.due and tail.typecode == TOKEN_TYPECODE:
                 try:
                     tail.extend(tokens)
+                    if (
+                        (type(tokens[0]) is not int)
+                        if len(tokens) == 1
+                        else (True in tokens or False in tokens)
+                    ):
+                        raise TypeError  # a bool (or an id equal to one: the full path tells them apart)
                     if committed > self._cap:  # a new page, allocated inline
                         self._core.grow(self, committed)
                 except (TypeError, OverflowError, ValueError, KVOffloadError):

@@ -55,7 +55,10 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
         from kvoffload.storage.file import FileStorage
 
         return FileStorage(path)
+    from kvoffload.storage._url import redact
+
+    shown = redact(storage) if isinstance(storage, str) else storage
     raise ConfigError(
-        f"unknown storage {storage!r}; choose None, 'memory', a directory path (./name or /abs/path), "
+        f"unknown storage {shown!r}; choose None, 'memory', a directory path (./name or /abs/path), "
         "a redis:// URL, or pass a Storage instance"
     )

@@ -3,62 +3,164 @@
 Layout: ``<root>/<key[:2]>/<key>`` (256 fan-out directories; a key that is not a
 plain file name is stored under its SHA-256 instead). Each file is a record
 (:mod:`kvoffload.storage._record`): a header with the key, the payload length and a
-CRC-32, then the page.
+checksum, then the page.
 
 A page is written to a temporary name in the same directory and renamed over the
 real name, so a crash mid-write leaves at most a ``.tmp`` file, never a torn page
-under a real key; a truncated, corrupt or mis-keyed file reads as missing. All file
-I/O runs on a worker thread, one hop per batch, so the event loop never blocks on
-the disk.
+under a real key; a truncated, corrupt or mis-keyed file reads as missing. Temporary
+files of writers that died are removed when a store opens. All file I/O runs on a
+worker thread, one hop per batch, so the event loop never blocks on the disk.
+
+Nothing outside the root is read or written: below the root every directory and file
+is opened relative to its parent's descriptor with ``O_NOFOLLOW``, so a symlink (to a
+directory or a file) planted inside the root is refused, never followed; a read only
+takes regular files. Pages and directories are created owner-only by default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import os
 import re
-import zlib
+import socket
+import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from kvoffload.abc import Storage
-from kvoffload.errors import StorageError
-from kvoffload.storage._record import decode, encode_header, header_size, payload_offset
+from kvoffload.errors import ConfigError, StorageError
+from kvoffload.pools import page_views
+from kvoffload.storage._record import decode, encode_header, header_size, intact, payload_offset
 
-__all__ = ["FileStorage"]
+if TYPE_CHECKING:
+    from kvoffload.pools import HostPool
+
+__all__ = ["DEFAULT_MODE", "FileStorage"]
 
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")
 _tmp_ids = itertools.count()
+#: Permissions of the pages (directories get the matching search bits): owner only.
+DEFAULT_MODE = 0o600
+#: A temporary file this old is stale whoever wrote it (a write takes milliseconds).
+STALE_TMP_S = 3600.0
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC  # a FIFO must not block a read
+_TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+#: What opening a symlink with O_NOFOLLOW raises (ELOOP; EMLINK on some BSDs).
+_SYMLINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
+#: This host in temporary names, so a store shared over NFS cleans only its own dead writers.
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:64] or "host"
+
+
+def _dir_mode(mode: int) -> int:
+    """A directory's mode for pages of ``mode``: search (x) wherever read (r) is given."""
+    return mode | ((mode & 0o444) >> 2)
 
 
 class FileStorage(Storage):
     """Pages as files under ``root`` (created if missing).
 
-    ``fsync=True`` also syncs each file and its directory before the rename is
-    acknowledged, so a stored page survives a power loss, not only a process crash;
-    it costs a disk flush per page. Many processes may share one root: renames are
-    atomic, and two writers of one key write the same page (keys name tokens).
+    ``mode`` (default ``0o600``) is the permission of every page file; directories
+    the store creates get the same bits plus search (``0o700`` by default); the
+    process umask does not narrow them. Give ``0o640`` (or ``0o660``) to share a root
+    with a group. ``fsync=True`` also syncs each file and its directory before the
+    rename is acknowledged, so a stored page survives a power loss, not only a process
+    crash; it costs a disk flush per page. Many processes may share one root: renames
+    are atomic, and two writers of one key write the same page (keys name tokens).
+
+    Opening the store removes temporary files of dead writers: this host's writers
+    whose process is gone, and anyone's older than ``stale_tmp_s`` seconds.
     """
 
     name = "file"
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = False,
+        mode: int = DEFAULT_MODE,
+        stale_tmp_s: float = STALE_TMP_S,
+    ) -> None:
+        if type(mode) is not int or not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
+            raise ConfigError(
+                f"file storage: mode must be an int in 0o600..0o777 with owner rw, got {mode!r}"
+            )
         self.root = Path(root).expanduser()
         self.fsync = fsync
+        self.mode = mode
+        self.dir_mode = _dir_mode(mode)
+        self.stale_tmp_s = stale_tmp_s
+        # _chmod: the umask may take bits of mode away: set them after creating.
+        self._chmod = bool(mode & 0o077)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self._make_root()
         except OSError as exc:
             raise StorageError(f"file storage: cannot create root directory {self.root}: {exc}") from exc
+        self.stale_removed = self._sweep()
 
     def path(self, key: str) -> Path:
         """Where the page of ``key`` lives."""
-        name = key if _PLAIN_KEY.fullmatch(key) else "h" + hashlib.sha256(key.encode()).hexdigest()
-        return self.root / name[:2] / name
+        d, name = _place(key)
+        return self.root / d / name
+
+    # --- directories ---------------------------------------------------------------------
+
+    def _make_root(self) -> None:
+        if self.root.is_dir():
+            return
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(self.root, self.dir_mode)
+        except FileExistsError:
+            return
+        if self._chmod:
+            os.chmod(self.root, self.dir_mode)
+
+    def _open_root(self, create: bool) -> int | None:
+        """A descriptor of the root (the configured path; it may be a symlink set up by
+        the operator), or ``None`` when it is gone and ``create`` is false."""
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+        except FileNotFoundError:
+            if not create:
+                return None
+        self._make_root()  # removed while running (a cache cleaner): made again
+        return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+
+    def _open_dir(self, root_fd: int, d: str, create: bool) -> int | None:
+        """A descriptor of the fan-out directory ``d`` under the root, never through a
+        symlink; ``None`` when it is missing (and not ``create``) or is not a directory."""
+        try:
+            return os.open(d, _DIR_FLAGS, dir_fd=root_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+        except OSError as exc:
+            if exc.errno in _SYMLINK_ERRNOS or exc.errno == errno.ENOTDIR:
+                if create:
+                    raise StorageError(
+                        f"file storage: {self.root / d} is not a directory (a symlink?): "
+                        "nothing is written outside the root"
+                    ) from None
+                return None
+            raise
+        try:
+            os.mkdir(d, self.dir_mode, dir_fd=root_fd)
+        except FileExistsError:
+            pass
+        else:
+            if self._chmod:
+                os.chmod(d, self.dir_mode, dir_fd=root_fd, follow_symlinks=False)
+        return self._open_dir(root_fd, d, False)
 
     # --- writes --------------------------------------------------------------------------
 
@@ -68,42 +170,56 @@ class FileStorage(Storage):
         if keys:
             await anyio.to_thread.run_sync(self._put_sync, list(keys), list(pages))
 
-    def _put_sync(self, keys: list[str], pages: list[bytes]) -> None:
-        for key, page in zip(keys, pages, strict=True):
-            path = self.path(key)
-            try:
-                self._write_one(path, encode_header(key, page), page)
-            except FileNotFoundError:
-                try:  # first page under this fan-out directory (or the root was removed)
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    self._write_one(path, encode_header(key, page), page)
-                except OSError as exc:
-                    raise StorageError(f"file storage: cannot write {path}: {exc}") from exc
-            except OSError as exc:
-                raise StorageError(f"file storage: cannot write {path}: {exc}") from exc
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        """Write each host page from the pool's memory (no copy): header and page go out
+        in one ``writev`` on the worker thread, which also computes the checksum."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        if keys:
+            await anyio.to_thread.run_sync(self._put_sync, list(keys), page_views(host_pool, host_pages))
 
-    def _write_one(self, path: Path, header: bytes, page: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{next(_tmp_ids)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
+        try:
+            root_fd = self._open_root(create=True)
+        except OSError as exc:
+            raise StorageError(f"file storage: cannot write under {self.root}: {exc}") from exc
+        assert root_fd is not None
+        dirs: dict[str, int] = {}
+        try:
+            for key, page in zip(keys, pages, strict=True):
+                d, name = _place(key)
+                try:
+                    dfd = dirs.get(d)
+                    if dfd is None:
+                        dfd = dirs[d] = self._open_dir(root_fd, d, create=True)  # type: ignore[assignment]
+                    assert dfd is not None
+                    self._write_one(dfd, name, encode_header(key, page), page)
+                except OSError as exc:
+                    raise StorageError(f"file storage: cannot write {self.root / d / name}: {exc}") from exc
+        finally:
+            for fd in dirs.values():
+                os.close(fd)
+            os.close(root_fd)
+
+    def _write_one(self, dfd: int, name: str, header: bytes, page: bytes | memoryview) -> None:
+        tmp = f".{name}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"
+        fd = os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd)
         try:
             try:
-                _write_all(fd, header)
-                _write_all(fd, page)
+                if self._chmod:
+                    os.fchmod(fd, self.mode)
+                _write_all(fd, header, page)
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             raise
         if self.fsync:
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(dfd)
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -113,16 +229,16 @@ class FileStorage(Storage):
         return await anyio.to_thread.run_sync(self._get_sync, list(keys))
 
     def _get_sync(self, keys: list[str]) -> list[bytes | None]:
-        return [decode(key, self._read(self.path(key))) for key in keys]
-
-    def _read(self, path: Path) -> bytes | None:
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            return None
-        except OSError as exc:
-            raise StorageError(f"file storage: cannot read {path}: {exc}") from exc
+        out: list[bytes | None] = []
+        with _Reader(self) as r:
+            for key in keys:
+                f = r.open(key)
+                if f is None:
+                    out.append(None)
+                    continue
+                with f:
+                    out.append(decode(key, f.read()))
+        return out
 
     async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
         if len(keys) != len(dest):
@@ -133,42 +249,167 @@ class FileStorage(Storage):
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         """Counts files whose header names the key and whose size matches it (a
-        truncated file does not count); the payload's CRC is checked on read."""
+        truncated file does not count); the payload's checksum is checked on read."""
         if not keys:
             return 0
         return await anyio.to_thread.run_sync(self._read_prefix, list(keys), None)
 
     def _read_prefix(self, keys: list[str], dest: list[memoryview] | None) -> int:
         """How many leading keys have a whole record of their key; with ``dest``, read
-        each payload straight into its buffer and check its CRC there."""
-        for i, key in enumerate(keys):
-            path = self.path(key)
-            try:
-                with open(path, "rb") as f:
-                    found = payload_offset(key, f.read(header_size(key)), os.fstat(f.fileno()).st_size)
-                    if found is None:
-                        return i
-                    if dest is not None:
-                        out = dest[i].cast("B")
-                        if found[1] != out.nbytes or f.readinto(out) != out.nbytes:
+        each payload straight into its buffer and check its checksum there."""
+        with _Reader(self) as r:
+            for i, key in enumerate(keys):
+                f = r.open(key)
+                if f is None:
+                    return i
+                with f:
+                    try:
+                        found = payload_offset(key, f.read(header_size(key)), os.fstat(f.fileno()).st_size)
+                        if found is None:
                             return i
-                        if zlib.crc32(out) != found[2]:
-                            return i
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                return i
-            except OSError as exc:
-                raise StorageError(f"file storage: cannot read {path}: {exc}") from exc
+                        if dest is not None:
+                            out = dest[i].cast("B")
+                            if found.length != out.nbytes:
+                                return i
+                            f.seek(found.offset)  # a version 1 header is shorter than what was read
+                            if f.readinto(out) != out.nbytes or not intact(found, out):
+                                return i
+                    except OSError as exc:
+                        raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
         return len(keys)
 
+    # --- stale temporary files -----------------------------------------------------------
+
+    def _sweep(self) -> int:
+        """Remove temporary files of dead writers (this host's, by pid; anyone's, by age)
+        under the root; returns how many. Never follows a symlink; never raises."""
+        removed = 0
+        now = time.time()
+        try:
+            root_fd = self._open_root(create=False)
+        except OSError:
+            return 0
+        if root_fd is None:
+            return 0
+        try:
+            for entry in os.scandir(root_fd):
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                dfd = self._open_dir(root_fd, entry.name, False)
+                if dfd is None:
+                    continue
+                try:
+                    for f in os.scandir(dfd):
+                        if f.name.startswith(".") and f.name.endswith(".tmp") and self._stale(f, now):
+                            with contextlib.suppress(OSError):
+                                os.unlink(f.name, dir_fd=dfd)
+                                removed += 1
+                finally:
+                    os.close(dfd)
+        except OSError:
+            pass
+        finally:
+            os.close(root_fd)
+        return removed
+
+    def _stale(self, f: os.DirEntry[str], now: float) -> bool:
+        parts = f.name.split(".")  # "", name, host, pid, n, "tmp"
+        if len(parts) == 6 and parts[2] == _HOST and parts[3].isdigit() and not _alive(int(parts[3])):
+            return True  # this host's writer is gone
+        try:
+            return now - f.stat(follow_symlinks=False).st_mtime > self.stale_tmp_s
+        except OSError:
+            return False
+
     def describe(self) -> dict[str, Any]:
-        return {"storage": self.name, "root": str(self.root), "fsync": self.fsync}
+        return {"storage": self.name, "root": str(self.root), "fsync": self.fsync, "mode": oct(self.mode)}
 
     def __repr__(self) -> str:
         return f"<FileStorage {str(self.root)!r}>"
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+class _Reader:
+    """The descriptors one read batch needs: the root's and the fan-out directories'."""
+
+    def __init__(self, store: FileStorage) -> None:
+        self.store = store
+        self.root_fd: int | None = None
+        self.dirs: dict[str, int | None] = {}
+
+    def __enter__(self) -> _Reader:
+        try:
+            self.root_fd = self.store._open_root(create=False)
+        except NotADirectoryError:
+            self.root_fd = None  # the root was replaced by a file: every page is missing
+        except OSError as exc:
+            raise StorageError(f"file storage: cannot read under {self.store.root}: {exc}") from exc
+        return self
+
+    def open(self, key: str) -> Any:
+        """The page file of ``key`` opened for reading, or ``None``: missing, a symlink,
+        not a regular file, or under a fan-out entry that is not a real directory."""
+        if self.root_fd is None:
+            return None
+        d, name = _place(key)
+        try:
+            if d in self.dirs:
+                dfd = self.dirs[d]
+            else:
+                dfd = self.dirs[d] = self.store._open_dir(self.root_fd, d, False)
+            if dfd is None:
+                return None
+            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in _SYMLINK_ERRNOS or exc.errno in (errno.ENOTDIR, errno.EISDIR):
+                return None
+            raise StorageError(f"file storage: cannot read {self.store.root / d / name}: {exc}") from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None
+            return open(fd, "rb", closefd=True)  # the caller closes it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.dirs.values():
+            if fd is not None:
+                os.close(fd)
+        if self.root_fd is not None:
+            os.close(self.root_fd)
+
+
+def _place(key: str) -> tuple[str, str]:
+    """(fan-out directory, file name) of ``key``: both plain names, never a path."""
+    name = key if _PLAIN_KEY.fullmatch(key) else "h" + hashlib.sha256(key.encode()).hexdigest()
+    return name[:2], name
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (another user's counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+    """Write ``parts`` in order: one ``writev`` call, more only after a short write."""
+    views = [memoryview(p).cast("B") for p in parts]
+    views = [v for v in views if v.nbytes]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]

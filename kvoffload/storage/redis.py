@@ -1,9 +1,12 @@
 """A Redis tier shared by many decode workers (``pip install kvoffload[redis]``).
 
 Each page is one string value under ``<prefix><page key>``; the value is a record
-(:mod:`kvoffload.storage._record`: the key, the payload length and a CRC-32, then
+(:mod:`kvoffload.storage._record`: the key, the payload length and a checksum, then
 the page), so a value that is truncated, corrupt or was written under another key
 reads as missing. A batch is one pipeline (no MULTI): one round trip per chunk.
+Writes pack their SETs by hand so that a record goes out as its header and the page's
+own memory (a host page is never copied on the way; redis-py's pipeline would need
+the value as one ``bytes``).
 
 The client is ``redis.asyncio``; it is imported when a store is created, never by
 ``import kvoffload``. redis-py's own retries are turned off: the write-behind task
@@ -12,16 +15,24 @@ retries whole chunks with its own bound (see ``docs/storage.md``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import anyio
+
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError, MissingDependency, StorageError
+from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header
+from kvoffload.storage._url import redact, scrub
 
 if TYPE_CHECKING:
     import redis.asyncio
+
+    from kvoffload.pools import HostPool
 
 __all__ = ["DEFAULT_PREFIX", "RedisStorage"]
 
@@ -37,6 +48,18 @@ def _redis_asyncio() -> Any:
             "the redis storage needs the redis client: pip install 'kvoffload[redis]'"
         ) from exc
     return redis.asyncio
+
+
+@functools.cache
+def _get_connection_takes_no_argument() -> bool:
+    """redis-py >= 5.3 deprecates get_connection's command name; 5.0 requires it."""
+    try:
+        from redis.asyncio.connection import ConnectionPool
+
+        params = list(inspect.signature(ConnectionPool.get_connection).parameters.values())[1:]
+    except (ImportError, TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params)
 
 
 class RedisStorage(Storage):
@@ -74,10 +97,9 @@ class RedisStorage(Storage):
         if ttl_s is not None and not ttl_s > 0:
             raise ConfigError(f"redis storage: ttl_s must be > 0 or None, got {ttl_s!r}")
         self.url = urlunsplit(parts._replace(query=urlencode(rest)))
-        # For logs and errors: the URL without its password.
-        self.display_url = self.url
-        if parts.password is not None:
-            self.display_url = self.url.replace(f":{parts.password}@", ":***@", 1)
+        # For repr, describe(), logs and errors: the URL without its secrets (F23).
+        self.display_url = redact(url)
+        self._raw_url = url
         self.prefix = prefix
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         aredis = _redis_asyncio()
@@ -92,7 +114,9 @@ class RedisStorage(Storage):
                 retry=Retry(NoBackoff(), 0),
             )
         except ValueError as exc:
-            raise ConfigError(f"redis storage: bad URL {self.display_url!r}: {exc}") from exc
+            raise ConfigError(
+                f"redis storage: bad URL {self.display_url!r}: {scrub(str(exc), url)}"
+            ) from None
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -100,12 +124,63 @@ class RedisStorage(Storage):
     async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
         if len(keys) != len(pages):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        if not keys:
-            return
-        pipe = self.client.pipeline(transaction=False)
+        if keys:
+            await self._set(keys, pages)
+
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        """Write each host page from the pool's memory: no copy of a page is made here."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        if keys:
+            await self._set(keys, page_views(host_pool, host_pages))
+
+    async def _set(self, keys: Sequence[str], pages: Sequence[bytes | memoryview]) -> None:
+        """``SET <prefix><key> <record> [PX ttl]`` for each page, in one round trip on one
+        pooled connection. Every reply is read before an error is raised, so the
+        connection stays in step; a connection left mid-way (an I/O error, a
+        cancellation) is dropped, never reused."""
+        from redis.exceptions import RedisError, ResponseError
+
+        ttl = self.ttl_ms
+        head = b"*3\r\n$3\r\nSET\r\n" if ttl is None else b"*5\r\n$3\r\nSET\r\n"
+        tail = b"\r\n" if ttl is None else b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(ttl)), ttl)
+        chunks: list[bytes | memoryview] = []
         for key, page in zip(keys, pages, strict=True):
-            pipe.set(self._k(key), encode_header(key, page) + page, px=self.ttl_ms)
-        await self._run(pipe, "write")
+            view = memoryview(page).cast("B")
+            header = encode_header(key, view)
+            name = self._k(key).encode()
+            record = len(header) + view.nbytes
+            chunks += (b"%s$%d\r\n%s\r\n$%d\r\n%s" % (head, len(name), name, record, header), view, tail)
+        pool = self.client.connection_pool
+        try:
+            get: Any = pool.get_connection  # untyped in redis-py
+            conn = await (get() if _get_connection_takes_no_argument() else get("SET"))
+        except (RedisError, OSError) as exc:
+            raise self._error("write", exc) from exc
+        refused: list[BaseException] = []
+        in_step = False
+        try:
+            await conn.send_packed_command(chunks)
+            del chunks  # the pages' views: nothing holds them after this call
+            for _ in range(len(keys)):
+                try:
+                    await conn.read_response()
+                except ResponseError as exc:  # this SET was refused (OOM, a read-only replica)
+                    refused.append(exc)
+            in_step = True
+        except (RedisError, OSError) as exc:
+            raise self._error("write", exc) from exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not in_step:
+                    await conn.disconnect(nowait=True)
+                await pool.release(conn)
+        if refused:
+            raise self._error("write", refused[0]) from refused[0]
+
+    def _error(self, what: str, exc: BaseException) -> StorageError:
+        detail = scrub(repr(exc), self._raw_url)
+        return StorageError(f"redis storage at {self.display_url}: {what} failed: {detail}")
 
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
@@ -136,7 +211,7 @@ class RedisStorage(Storage):
         try:
             result: list[Any] = await pipe.execute()
         except (RedisError, OSError) as exc:
-            raise StorageError(f"redis storage at {self.display_url}: {what} failed: {exc!r}") from exc
+            raise self._error(what, exc) from exc
         return result
 
     async def aclose(self) -> None:

@@ -116,19 +116,18 @@ async def write_job(
     threaded_read: bool = True,
 ) -> WriteResult:
     """Write ``job``'s pages under its keys with bounded retries (fewer while the store
-    is down). Never raises a storage failure: it is the result; cancellation propagates."""
-    size = len(job.host_pages) * pool.tensor[0].nbytes if pool.n_pages else 0
-    if threaded_read and size > _THREAD_COPY_BYTES:  # host pages are held: stable to read
-        pages = await anyio.to_thread.run_sync(page_bytes, pool, job.host_pages)
-    else:
-        pages = page_bytes(pool, job.host_pages)
+    is down). Never raises a storage failure: it is the result; cancellation propagates.
+
+    The store reads the pages from the host pool (``Storage.put_pages``): they are held
+    until the core hears the result, so they are stable for every attempt; how it reads
+    them is the store's business (``threaded_read`` is ignored)."""
     attempts = 1 if state.down else policy.attempts
     error: BaseException | None = None
     for attempt in range(attempts):
         if attempt:
             await anyio.sleep(policy.backoff(attempt - 1))
         try:
-            await storage.put(job.keys, pages)
+            await storage.put_pages(job.keys, pool, job.host_pages)
         except Exception as exc:  # a store may raise anything; it is this chunk's failure
             error = exc
             continue

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import os
+import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 from _storage_helpers import keys_of, pages_of
 
-from kvoffload.errors import StorageError
+from kvoffload.errors import ConfigError, StorageError
 from kvoffload.storage._record import decode, encode_header
 from kvoffload.storage.file import FileStorage
 
@@ -133,3 +140,145 @@ async def test_record_decode_rejects_foreign_bytes() -> None:
     assert decode(key, rec[:5]) is None
     assert decode(key, None) is None
     assert decode(key, b"XXXX" + rec[4:]) is None
+
+
+# --- hygiene: permissions, symlinks, stale temporary files -----------------------------------
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.lstat().st_mode)
+
+
+async def test_pages_and_directories_are_owner_only_by_default(tmp_path: Path) -> None:
+    """Pages are 0600 and the directories the store makes 0700, whatever the umask."""
+    old = os.umask(0)
+    try:
+        fs = FileStorage(tmp_path / "new" / "pages")
+        keys, _ = await _stored(fs)
+    finally:
+        os.umask(old)
+    assert _mode(fs.root) == 0o700
+    for k in keys:
+        assert _mode(fs.path(k)) == 0o600 and _mode(fs.path(k).parent) == 0o700
+
+
+async def test_a_group_mode_is_applied_in_spite_of_the_umask(tmp_path: Path) -> None:
+    """mode=0o640 gives 0640 pages and 0750 directories even under umask 077."""
+    old = os.umask(0o077)
+    try:
+        fs = FileStorage(tmp_path / "pages", mode=0o640)
+        keys, pages = await _stored(fs)
+    finally:
+        os.umask(old)
+    assert fs.describe()["mode"] == "0o640"
+    assert _mode(fs.root) == 0o750
+    assert {_mode(fs.path(k)) for k in keys} == {0o640} and {_mode(fs.path(k).parent) for k in keys} == {
+        0o750
+    }
+    assert await fs.get(keys) == pages
+
+
+@pytest.mark.parametrize("mode", [0o400, 0o1600, -1, "0o600", 0o200])
+async def test_a_mode_without_owner_read_write_is_a_config_error(tmp_path: Path, mode: object) -> None:
+    with pytest.raises(ConfigError, match="mode"):
+        FileStorage(tmp_path / "pages", mode=mode)  # type: ignore[arg-type]
+
+
+async def test_a_symlinked_fanout_directory_is_never_followed(fs: FileStorage, tmp_path: Path) -> None:
+    """A fan-out directory replaced by a symlink to a directory outside the root: a
+    write there fails (StorageError) and writes nothing outside; a valid record planted
+    outside is not read through it."""
+    key, page = keys_of(1)[0], pages_of(1)[0]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / key).write_bytes(encode_header(key, page) + page)  # a valid record, outside
+    fs.path(key).parent.symlink_to(outside, target_is_directory=True)
+    assert await fs.get([key]) == [None]
+    assert await fs.exists_prefix([key]) == 0
+    assert await fs.get_into([key], [memoryview(bytearray(len(page)))]) == 0
+    before = sorted(p.name for p in outside.iterdir())
+    with pytest.raises(StorageError, match="not a directory"):
+        await fs.put([key], [pages_of(1, salt=9)[0]])
+    assert sorted(p.name for p in outside.iterdir()) == before
+    assert (outside / key).read_bytes() == encode_header(key, page) + page
+
+
+async def test_a_symlinked_page_is_never_read_and_a_write_replaces_the_link(
+    fs: FileStorage, tmp_path: Path
+) -> None:
+    """A page file that is a symlink to a file outside the root (holding a valid record)
+    reads as missing; storing the key replaces the link, never writing through it."""
+    keys, pages = await _stored(fs, 2)
+    target = tmp_path / "secret"
+    record = encode_header(keys[1], pages[0]) + pages[0]
+    target.write_bytes(record)
+    fs.path(keys[1]).unlink()
+    fs.path(keys[1]).symlink_to(target)
+    assert await fs.get(keys) == [pages[0], None]
+    assert await fs.exists_prefix(keys) == 1
+    await fs.put(keys[1:], pages[1:])
+    assert not fs.path(keys[1]).is_symlink() and target.read_bytes() == record
+    assert await fs.get(keys) == pages
+
+
+async def test_a_symlink_at_the_temporary_name_is_not_written_through(
+    fs: FileStorage, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlink planted at the very temporary name the next write uses: the write
+    fails (StorageError) and the link's target is untouched."""
+    import kvoffload.storage.file as file_mod
+
+    key, page = keys_of(1)[0], pages_of(1)[0]
+    monkeypatch.setattr(file_mod, "_tmp_ids", itertools.count(77))
+    target = tmp_path / "target"
+    target.write_bytes(b"untouched")
+    fs.path(key).parent.mkdir(parents=True)
+    fs.path(key).with_name(f".{key}.{file_mod._HOST}.{os.getpid()}.77.tmp").symlink_to(target)
+    with pytest.raises(StorageError, match="cannot write"):
+        await fs.put([key], [page])
+    assert target.read_bytes() == b"untouched"
+    assert await fs.get([key]) == [None]
+
+
+async def test_a_fifo_under_a_key_reads_as_missing_without_blocking(fs: FileStorage) -> None:
+    keys, pages = await _stored(fs, 2)
+    fs.path(keys[1]).unlink()
+    os.mkfifo(fs.path(keys[1]))
+    with anyio.fail_after(10):
+        assert await fs.get(keys) == [pages[0], None]
+        assert await fs.exists_prefix(keys) == 1
+
+
+async def test_opening_a_store_removes_stale_temporaries_of_dead_writers(tmp_path: Path) -> None:
+    """This host's temporary files whose writer is gone, and anyone's older than
+    stale_tmp_s, are removed when a store opens; a live writer's fresh file, another
+    host's fresh file, and anything behind a symlink stay."""
+    import kvoffload.storage.file as file_mod
+
+    fs = FileStorage(tmp_path / "pages")
+    keys, pages = await _stored(fs, 2)
+    d = fs.path(keys[0]).parent
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = file_mod._HOST
+    gone = d / f".{keys[0]}.{host}.{dead.pid}.0.tmp"
+    live = d / f".{keys[0]}.{host}.{os.getpid()}.1.tmp"
+    other = d / f".{keys[0]}.otherhost.{dead.pid}.2.tmp"
+    old = d / f".{keys[0]}.otherhost.1.3.tmp"
+    v01 = d / f".{keys[0]}.999.4.tmp"  # the v0.1 name, without a host
+    for p in (gone, live, other, old, v01):
+        p.write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    for p in (old, v01):
+        os.utime(p, (two_hours_ago, two_hours_ago))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    behind = outside / f".{keys[0]}.{host}.{dead.pid}.5.tmp"
+    behind.write_bytes(b"not ours")
+    (fs.root / "zz").symlink_to(outside, target_is_directory=True)
+
+    reopened = FileStorage(fs.root)
+    assert reopened.stale_removed == 3
+    assert not gone.exists() and not old.exists() and not v01.exists()
+    assert live.exists() and other.exists() and behind.exists()
+    assert await reopened.get(keys) == pages
