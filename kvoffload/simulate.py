@@ -248,6 +248,7 @@ def _report(
             "submitted": stats.pages_submitted,
             "offloaded": stats.pages_copied,
             "dropped": stats.pages_dropped,
+            "lost": stats.pages_lost,
             "failed": stats.pages_failed,
             "discarded": stats.pages_discarded,
             "stored": stats.pages_stored,
@@ -295,7 +296,8 @@ def print_summary(report: dict[str, Any], console: Any = None) -> None:
         "pages",
         f"{p['submitted']} submitted: {p['offloaded']} offloaded, {p['failed']} failed "
         f"({p['injected_copy_failures']} chunks injected), {p['discarded']} discarded; "
-        f"{p['dropped']} dropped (host full); {p['stored']} stored, {p['store_failed']} store failed",
+        f"{p['dropped']} drop attempts (host full), {p['lost']} lost for good; "
+        f"{p['stored']} stored, {p['store_failed']} store failed",
     )
     h = report["throughput"]
     t.add_row(

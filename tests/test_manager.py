@@ -374,7 +374,9 @@ async def test_extend_whose_chunk_submit_is_refused_changes_nothing() -> None:
 
 async def test_finish_with_host_full_counts_every_whole_page_it_loses() -> None:
     """Under the drop policy a tail flush that finds the host pool full counts every
-    whole page it could not send as dropped, not only the first host-sized chunk."""
+    whole page it could not send as dropped, not only the first host-sized chunk; the
+    drop counters count attempts (6 pages dropped twice: 12), ``pages_lost`` what was
+    lost for good (6 pages), once, when the request is released."""
     backend = SimBackend()
     config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=32, host_pages=2)
     async with kvo.OffloadManager(config, backend=backend) as mgr:
@@ -386,9 +388,11 @@ async def test_finish_with_host_full_counts_every_whole_page_it_loses() -> None:
         lc.extend(toks(11, 28))  # committed 28: 24 pending, due -> drop of 3 strides (6 pages)
         s = mgr.statistics()
         assert (s.chunks_dropped, s.pages_dropped) == (1, 6)
+        assert s.pages_lost == 0  # still decoding: a later chunk may send them
         lc.finish()  # 24 tokens = 6 whole pages pending, host full: all 6 are lost
         s = mgr.statistics()
-        assert (s.chunks_dropped, s.pages_dropped) == (2, 12)
+        assert (s.chunks_dropped, s.pages_dropped) == (2, 12)  # attempts
+        assert s.pages_lost == 6  # losses
         assert lc.state is RELEASED and lc.outcome is kvo.Outcome.COMPLETED
         await complete_everything(mgr, backend)
         hog.finish()

@@ -107,6 +107,8 @@ class _LcModel:
     refused: bool = False
     # reported: on_released was called for it (exactly once, at RELEASED).
     reported: bool = False
+    # sent: tokens covered by submitted chunks (or taken as stored at admit).
+    sent: int = 0
     # log: (trigger, from, to, copying, deferred) of every transition (events mode only).
     log: list[tuple[str, str, str, bool, bool]] = field(default_factory=list)
     replayed: int = 0
@@ -194,6 +196,8 @@ class Observer:
         self.page_size = 1
         # lcs: every lifecycle admitted and not yet collected, by lifecycle id.
         self.lcs: dict[int, _LcModel] = {}
+        # lost: whole pages of released, not aborted lifecycles never sent (pages_lost).
+        self.lost = 0
         # transfers: submitted and not yet checked after delivery, by transfer id.
         self.transfers: dict[int, _Submitted] = {}
         # violations: what went wrong inside a call, reported at the next check.
@@ -234,7 +238,7 @@ class Observer:
 
     def on_admit(self, lc: Lifecycle, prompt: Sequence[int]) -> None:
         """``lc`` was admitted with ``prompt``: record the tokens and write their KV."""
-        m = _LcModel(lc.id, lc.rid, weakref.ref(lc), tokens=list(prompt))
+        m = _LcModel(lc.id, lc.rid, weakref.ref(lc), tokens=list(prompt), sent=lc.submitted)
         if self.events and lc.state is not _P:  # the prompt chunk's submit ran inside admit
             m.log.append(("submit", "PENDING", lc.state.name, lc.inflight > 0, lc.deferred))
         self.lcs[lc.id] = m
@@ -265,6 +269,8 @@ class Observer:
             self.violations.append(f"on_released({lc!r}) called twice")
         if not lc.released:
             self.violations.append(f"on_released({lc!r}) called before RELEASED")
+        elif not m.reported and not lc.aborted:  # its whole pages never sent are lost for good
+            self.lost += (len(m.tokens) - m.sent) // self.page_size
         m.reported = True
 
     def on_closed(self) -> None:
@@ -303,6 +309,9 @@ class Observer:
 
     def on_submit(self, t: Transfer) -> None:
         self.transfers[t.id] = _Submitted(t, t.lifecycle.id, list(t.keys), list(t.device_pages))
+        m = self.lcs.get(t.lifecycle.id)
+        if m is not None:
+            m.sent = max(m.sent, t.first_token + t.n_tokens)
         if not set(t.device_pages) <= set(t.lifecycle.device_pages):
             self.violations.append(f"{t!r} was submitted reading device pages its lifecycle does not hold")
         self.seen.add("submit")
@@ -384,6 +393,10 @@ class Observer:
                     del self.lcs[lid]
                 else:
                     problems.append(f"lifecycle #{lid} is RELEASED and dropped but still referenced (F2)")
+        if core.counters.pages_lost != self.lost:
+            problems.append(
+                f"pages_lost is {core.counters.pages_lost}; the pages never sent add up to {self.lost}"
+            )
         if problems:
             raise AssertionError("; ".join(problems))
 

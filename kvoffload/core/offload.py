@@ -805,6 +805,8 @@ class OffloadCore:
         lc.outcome = outcome
         del self.live[lc.id]
         c = self.counters
+        if not lc._aborted:  # whole pages never sent: their drops were never made good
+            c.pages_lost += (lc.committed - lc.submitted) // self.config.page_size
         if outcome is Outcome.COMPLETED:
             c.released_completed += 1
         elif outcome is Outcome.ABORTED:

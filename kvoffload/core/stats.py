@@ -37,6 +37,7 @@ class Counters:
     pages_failed: int = 0
     pages_in_write: int = 0
     pages_inflight: int = 0
+    pages_lost: int = 0
     pages_refused: int = 0
     pages_not_stored: int = 0
     pages_store_failed: int = 0
@@ -104,6 +105,12 @@ class Statistics:
     pages_discarded: int
     pages_failed: int
     pages_dropped: int
+    """Pages of dropped chunks, per attempt: a page dropped, retried a stride later and
+    dropped again counts twice. What was lost for good is ``pages_lost``."""
+    pages_lost: int
+    """Whole pages of a finished request never copied, counted once when it is
+    released: its drops (or refusals) were never made good by a later chunk or the
+    tail flush. Failed copies are ``pages_failed``; an aborted request loses nothing."""
     pages_refused: int
     pages_stored: int
     """Pages written to the storage tier."""
