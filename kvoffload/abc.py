@@ -20,7 +20,7 @@ from kvoffload.errors import BackendError
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
     from kvoffload.lifecycle.core import Lifecycle
-    from kvoffload.pools import DevicePool, HostPool
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = [
     "Completion",
@@ -179,11 +179,45 @@ class EventBackend(abc.ABC):
     #: rather than posted by threads: a waiting driver then polls with backoff.
     needs_polling: ClassVar[bool] = False
 
-    @abc.abstractmethod
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
-        """Allocate the device and host pools this backend copies between."""
+    #: The torch device type of the KV it copies from (``device_kv`` must be on it).
+    device_type: ClassVar[str] = "cpu"
+    #: Whether its host pool is pinned (page-locked) memory.
+    pins_host: ClassVar[bool] = False
 
-    def open(self, device: DevicePool, host: HostPool) -> None:  # noqa: B027 - optional hook
+    @property
+    def device_name(self) -> str:
+        """The torch device kvoffload's own device pool goes on (owned mode)."""
+        return self.device_type
+
+    def create_pools(self, config: OffloadConfig, host_buffer: Any = None) -> tuple[DevicePool, HostPool]:
+        """Owned mode: kvoffload's own device pool (zeroed, on :attr:`device_name`) and
+        the host pool (:meth:`create_host_pool`)."""
+        from kvoffload.errors import ConfigError
+        from kvoffload.pools import DevicePool
+
+        if config.device_pages is None:
+            raise ConfigError(
+                "create_pools() is owned mode; with device_pages=None the engine owns the device pool"
+            )
+        device = DevicePool.create(
+            config.device_pages, config.page_size, config.kv_shape, config.dtype, device=self.device_name
+        )
+        page_shape = (config.page_size, *config.kv_shape)
+        host = self.create_host_pool(
+            config.host_pages, page_shape, config.dtype, zero=config.host_zero, buffer=host_buffer
+        )
+        return device, host
+
+    def create_host_pool(
+        self, n_pages: int, page_shape: Sequence[int], dtype: str, *, zero: bool = False, buffer: Any = None
+    ) -> HostPool:
+        """The host pool: ``n_pages`` pages of ``page_shape`` ``dtype`` elements (pinned
+        when :attr:`pins_host`, exactly the size asked for), or the engine's ``buffer``."""
+        from kvoffload.pools import HostPool
+
+        return HostPool.new(n_pages, page_shape, dtype, pin=self.pins_host, zero=zero, buffer=buffer)
+
+    def open(self, device: DevicePool | EnginePages, host: HostPool) -> None:  # noqa: B027 - optional hook
         """Bind the pools before the first submit; start worker threads. Called once."""
 
     @abc.abstractmethod

@@ -44,14 +44,18 @@ class OffloadConfig:
     stride: int
     """Committed tokens per chunk: a chunk is submitted once ``stride`` new tokens are
     committed beyond the last submitted one. A multiple of ``page_size``."""
-    device_pages: int
-    """Pages in the device pool (the engine's KV memory)."""
+    device_pages: int | None
+    """Pages in kvoffload's own device pool (owned mode: simulation and tests), or
+    ``None``: engine-owned mode - the engine owns the KV memory and its page ids,
+    passes its KV tensors as ``device_kv=`` and its page ids with ``admit(pages=)`` and
+    ``extend(pages=)``; kvoffload allocates and frees no device memory."""
     host_pages: int
     """Pages in the host (pinned) staging pool."""
     kv_shape: tuple[int, ...] = (8,)
-    """Elements of KV per token (all layers, K and V); a page is ``(page_size, *kv_shape)``."""
+    """Owned mode: elements of KV per token (all layers, K and V); a page is
+    ``(page_size, *kv_shape)``. Engine-owned mode takes a page's layout from ``device_kv``."""
     dtype: str = "float16"
-    """torch dtype name of the KV pages."""
+    """Owned mode: torch dtype name of the KV pages."""
     offload_prompt: bool = False
     """Offload the prompt's page-aligned part too (as the first chunk). By default the
     prefill side is taken to have stored it already. A ``bool``: ``"no"`` is refused."""
@@ -68,6 +72,9 @@ class OffloadConfig:
     transfer, its age), once per transfer."""
     watchdog_interval_s: float = 1.0
     """How often the watchdog looks, in seconds (at least 1 ms)."""
+    host_zero: bool = False
+    """Zero-fill the host pool when it is created (by default its memory is left as the
+    allocator gives it: a page is read only after a copy wrote it)."""
     namespace: str | None = None
     """The deployment's namespace (a model, a LoRA adapter, a tenant): every chain,
     ``lookup`` and ``fetch`` of the manager is seeded with
@@ -79,8 +86,13 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         for name in ("page_size", "stride", "device_pages", "host_pages"):
             value = getattr(self, name)
+            if name == "device_pages" and value is None:
+                continue  # engine-owned mode
             if type(value) is not int or value <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+                allowed = (
+                    "a positive int, or None (engine-owned)" if name == "device_pages" else "a positive int"
+                )
+                raise ConfigError(f"{name} must be {allowed}, got {value!r}")
         if self.stride % self.page_size:
             raise ConfigError(f"stride ({self.stride}) must be a multiple of page_size ({self.page_size})")
         if self.stride // self.page_size > self.host_pages:
@@ -96,8 +108,9 @@ class OffloadConfig:
             raise ConfigError(f"kv_shape must be a non-empty tuple of positive ints, got {self.kv_shape!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if type(self.offload_prompt) is not bool:
-            raise ConfigError(f"offload_prompt must be True or False, got {self.offload_prompt!r}")
+        for name in ("offload_prompt", "host_zero"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_host_full not in ("drop", "wait"):
             raise ConfigError(f"on_host_full must be 'drop' or 'wait', got {self.on_host_full!r}")
         for name in ("host_wait_s", "watchdog_interval_s"):
@@ -121,7 +134,7 @@ class OffloadConfig:
             except UnicodeEncodeError as exc:
                 raise ConfigError(f"namespace is not encodable as UTF-8: {exc}") from None
         ram = physical_memory()
-        for name in ("device_pages", "host_pages"):
+        for name in ("device_pages", "host_pages") if self.device_pages is not None else ("host_pages",):
             size = getattr(self, name) * self.page_bytes
             if ram is not None and size > ram:  # refused before torch tries (and the OOM killer acts)
                 raise ConfigError(
@@ -130,8 +143,14 @@ class OffloadConfig:
                 )
 
     @property
+    def engine_owned(self) -> bool:
+        """Whether the engine owns the device memory (``device_pages=None``)."""
+        return self.device_pages is None
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one page: ``page_size * prod(kv_shape) * itemsize(dtype)``."""
+        """Owned mode: bytes of one page, ``page_size * prod(kv_shape) * itemsize(dtype)``
+        (engine-owned mode: ``EnginePages.page_bytes`` of the engine's tensors)."""
         return self.page_size * math.prod(self.kv_shape) * _ITEMSIZE[self.dtype]
 
     @property

@@ -1,10 +1,23 @@
-"""Device and host page pools.
+"""Device and host page pools, and the engine's own pages.
 
 A pool is one torch tensor of ``n_pages`` pages (page-major: a page is one
-contiguous block of ``(page_size, *kv_shape)`` elements) plus a free list. Pools
-only hand out and take back page numbers; they never know about lifecycles.
-Allocation is all-or-nothing; freeing checks every page before it changes anything,
-so a double free raises :class:`~kvoffload.PageError` with the pool unchanged.
+contiguous block) plus a free list. Pools only hand out and take back page numbers;
+they never know about lifecycles. Allocation is all-or-nothing; freeing checks every
+page before it changes anything, so a double free raises
+:class:`~kvoffload.PageError` with the pool unchanged.
+
+- :class:`DevicePool`: kvoffload's own device pool (owned mode, ``device_pages=N``),
+  for simulation and tests.
+- :class:`EnginePages`: the engine's KV tensors (engine-owned mode,
+  ``device_pages=None``): kvoffload allocates and frees none of them; it only records
+  which page ids live lifecycles hold.
+- :class:`HostPool`: the host staging pages; pinned (on a GPU) by registering exactly
+  the memory asked for, not through torch's caching host allocator, which rounds a
+  request up to a power of two; zero-filled only when asked; or the engine's own
+  buffer.
+
+``copy_pairs(host)`` of a device side says how its pages map to host pages: a list of
+(source, destination) tensors whose row ``p`` is one page, which every backend copies.
 """
 
 from __future__ import annotations
@@ -12,12 +25,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvoffload.errors import PageError, PoolExhausted
+from kvoffload.errors import ConfigError, PageError, PoolExhausted
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DevicePool", "HostPool", "PagePool", "page_views"]
+__all__ = ["DevicePool", "EnginePages", "HostPool", "PagePool", "host_tensor", "page_views"]
 
 _P = TypeVar("_P", bound="PagePool")
 
@@ -126,17 +139,214 @@ class PagePool:
 
 
 class DevicePool(PagePool):
-    """Pages of the engine's KV memory (on the GPU with ``cuda``, else a CPU tensor)."""
+    """kvoffload's own device pool (owned mode): pages of KV on the GPU with ``cuda``,
+    else a CPU tensor. A page of it is a page of the host pool, element for element."""
 
     kind = "device"
     __slots__ = ()
 
+    def copy_pairs(self, host: HostPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) whose row ``p`` is one device / host page."""
+        return [(self.tensor, host.tensor)]
+
 
 class HostPool(PagePool):
-    """Host staging pages (pinned with ``cuda``) that chunks are copied into."""
+    """Host staging pages that chunks are copied into (pinned with ``cuda``)."""
 
     kind = "host"
-    __slots__ = ()
+    __slots__ = ("__weakref__",)
+
+    @classmethod
+    def new(
+        cls,
+        n_pages: int,
+        page_shape: Sequence[int],
+        dtype: str,
+        *,
+        pin: bool = False,
+        zero: bool = False,
+        buffer: torch.Tensor | None = None,
+        cudart: Any = None,
+    ) -> HostPool:
+        """A host pool of ``n_pages`` pages of ``page_shape`` ``dtype`` elements: the
+        engine's ``buffer`` when given (a contiguous CPU tensor of at least that many
+        bytes, used as is), else new memory of exactly that size - pinned by registering
+        it with CUDA when ``pin`` (``cudart``: ``torch.cuda.cudart()`` by default), and
+        zero-filled only when ``zero``."""
+        import math
+
+        import torch
+
+        shape = (n_pages, *page_shape)
+        tdtype = getattr(torch, dtype)
+        if buffer is not None:
+            nbytes = math.prod(shape) * torch.empty((), dtype=tdtype).element_size()
+            if (
+                not isinstance(buffer, torch.Tensor)
+                or buffer.device.type != "cpu"
+                or not buffer.is_contiguous()
+            ):
+                raise ConfigError(f"host_buffer must be a contiguous CPU tensor, got {buffer!r:.80}")
+            if buffer.nbytes < nbytes:
+                raise ConfigError(
+                    f"host_buffer has {buffer.nbytes:,} bytes; {n_pages} host pages need {nbytes:,}"
+                )
+            if pin and not buffer.is_pinned():
+                raise ConfigError("host_buffer must be pinned memory for the cuda backend")
+            if zero:
+                buffer.zero_()
+            flat = buffer.view(-1).view(torch.uint8)[:nbytes]
+            return cls(flat.view(tdtype).view(shape))
+        return cls(host_tensor(shape, tdtype, pin=pin, zero=zero, cudart=cudart))
+
+
+def host_tensor(
+    shape: Sequence[int], dtype: torch.dtype, *, pin: bool, zero: bool, cudart: Any = None
+) -> torch.Tensor:
+    """A CPU tensor of exactly ``shape``, zero-filled only when ``zero``. With ``pin``,
+    its memory is page-locked by registering it with CUDA (``cudaHostRegister``), so it
+    is exactly the size asked for (torch's caching host allocator rounds a pinned
+    request up to a power of two: up to 2x the memory); it is unregistered when the
+    tensor is collected. Raises :class:`~kvoffload.ConfigError` when CUDA refuses."""
+    import weakref
+
+    import torch
+
+    t = torch.zeros(tuple(shape), dtype=dtype) if zero else torch.empty(tuple(shape), dtype=dtype)
+    if pin and t.numel():
+        rt = cudart if cudart is not None else torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        ptr, size = t.data_ptr(), t.numel() * t.element_size()
+        err = int(rt.cudaHostRegister(ptr, size, 0))
+        if err:
+            raise ConfigError(f"could not pin {size:,} bytes of host memory (cudaHostRegister error {err})")
+        storage = t.untyped_storage()
+        weakref.finalize(storage, rt.cudaHostUnregister, ptr)
+    return t
+
+
+class EnginePages:
+    """The engine's own device pages (engine-owned mode, ``device_pages=None``).
+
+    ``tensors`` are the engine's KV tensors, each ``(num_pages, page_size, ...)`` and
+    contiguous, on one device (SGLang's per-layer K and V buffers, reshaped). kvoffload
+    allocates none of these pages and frees none: :meth:`claim` records that a live
+    lifecycle holds the ids the engine handed over (refusing an id out of range, named
+    twice, or held by another live lifecycle), :meth:`free` forgets them at RELEASED.
+    A host page holds a page's rows of every tensor, in order (``offsets``/``nbytes``).
+    Owner thread only.
+    """
+
+    kind = "device"
+
+    def __init__(self, tensors: Sequence[torch.Tensor], page_size: int) -> None:
+        import torch
+
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        tensors = list(tensors) if isinstance(tensors, (list, tuple)) else tensors
+        if not isinstance(tensors, list) or not tensors:
+            raise ConfigError(
+                f"device_kv must be a tensor or a non-empty sequence of tensors, got {tensors!r:.80}"
+            )
+        first = tensors[0]
+        for i, t in enumerate(tensors):
+            what = f"device_kv[{i}]"
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"{what} is a {type(t).__name__}, not a torch.Tensor")
+            if t.dim() < 2 or t.shape[1] != page_size:
+                raise ConfigError(
+                    f"{what} has shape {tuple(t.shape)}: each tensor must be "
+                    f"(num_pages, page_size={page_size}, ...)"
+                )
+            if t.shape[0] != first.shape[0]:
+                raise ConfigError(
+                    f"{what} has {t.shape[0]} pages, device_kv[0] has {first.shape[0]}: they must agree"
+                )
+            if t.device != first.device:
+                raise ConfigError(f"{what} is on {t.device}, device_kv[0] on {first.device}: one device")
+            if not t.is_contiguous():
+                raise ConfigError(
+                    f"{what} is not contiguous: pass a contiguous view (num_pages, page_size, ...)"
+                )
+        self.tensors: list[torch.Tensor] = tensors
+        self.n_pages = int(first.shape[0])
+        self.device = first.device
+        # nbytes[i]: bytes of one page of tensors[i]; offsets[i]: where they sit in a host page.
+        self.nbytes = [int(t[0].numel() * t.element_size()) if self.n_pages else 0 for t in tensors]
+        self.offsets = [sum(self.nbytes[:i]) for i in range(len(tensors))]
+        self.page_bytes = sum(self.nbytes)
+        # _held[p] is 1 while a live lifecycle holds page p.
+        # Invariant: self.used == sum(self._held)
+        self._held = bytearray(self.n_pages)
+        self.used = 0
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no live lifecycle holds (the engine's to allocate, not kvoffload's)."""
+        return self.n_pages - self.used
+
+    def is_allocated(self, page: int) -> bool:
+        """Whether a live lifecycle holds ``page``."""
+        return bool(self._held[page])
+
+    def claim(self, pages: Any, n: int) -> list[int]:
+        """Record that a lifecycle holds ``pages``: exactly ``n`` page ids, each in range,
+        none named twice or held by another live lifecycle. Raises
+        :class:`~kvoffload.PageError` naming the problem, with nothing recorded."""
+        if isinstance(pages, (str, bytes)) or not hasattr(pages, "__len__"):
+            raise PageError(f"pages must be a sequence of page ids, got {type(pages).__name__}")
+        ids = list(pages)
+        if len(ids) != n:
+            raise PageError(f"these tokens start {n} new page(s); {len(ids)} page id(s) given: {ids[:8]}")
+        held = self._held
+        seen: set[int] = set()
+        for p in ids:
+            if type(p) is not int and not (hasattr(p, "__index__") and not isinstance(p, bool)):
+                raise PageError(f"page id {p!r} is not an int")
+            q = p.__index__()
+            if not 0 <= q < self.n_pages:
+                raise PageError(f"page id {q} is out of range: the engine's KV has {self.n_pages} pages")
+            if q in seen:
+                raise PageError(f"page id {q} is named twice")
+            if held[q]:
+                raise PageError(f"page id {q} is held by another live lifecycle")
+            seen.add(q)
+        out = [p.__index__() for p in ids]
+        for q in out:
+            held[q] = 1
+        self.used += len(out)
+        return out
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Forget ``pages`` (their lifecycle was RELEASED; the engine frees them). Raises
+        :class:`~kvoffload.PageError` (nothing changed) on one not held."""
+        pages = pages if type(pages) is list else list(pages)
+        held = self._held
+        for i, p in enumerate(pages):
+            if not 0 <= p < self.n_pages or not held[p]:
+                for q in pages[:i]:
+                    held[q] = 1
+                raise PageError(f"device page {p} released but not held (twice?)")
+            held[p] = 0
+        self.used -= len(pages)
+
+    def check(self) -> None:
+        """Assert the record's own invariant (used by ``check_invariants``)."""
+        assert self.used == sum(self._held), "engine page record out of sync"
+
+    def copy_pairs(self, host: HostPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source, destination) per KV tensor, row ``p`` one page: the tensor's page
+        as bytes, and its slice of a (uint8) host page."""
+        import torch
+
+        dst = host.tensor.view(host.n_pages, -1).view(torch.uint8)
+        return [
+            (t.view(self.n_pages, -1).view(torch.uint8), dst[:, off : off + nb])
+            for t, off, nb in zip(self.tensors, self.offsets, self.nbytes, strict=True)
+        ]
+
+    def __repr__(self) -> str:
+        return f"<EnginePages {self.used}/{self.n_pages} held, {len(self.tensors)} tensor(s)>"
 
 
 def page_views(pool: PagePool, pages: Sequence[int]) -> list[memoryview]:

@@ -55,7 +55,11 @@ def check_workload(spec: WorkloadSpec, config: OffloadConfig) -> None:
 
     ps = config.page_size
     worst = max(plan(spec), key=lambda p: p.prompt_len, default=None)
-    if worst is not None and -(-worst.prompt_len // ps) > config.device_pages:
+    if (
+        worst is not None
+        and config.device_pages is not None
+        and -(-worst.prompt_len // ps) > config.device_pages
+    ):
         need = -(-worst.prompt_len // ps)
         raise ConfigError(
             f"request {worst.index}'s prompt of {worst.prompt_len} tokens needs {need} device pages of "

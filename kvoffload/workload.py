@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from kvoffload.errors import BackendError, ConfigError
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
-    from kvoffload.pools import DevicePool, HostPool
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = ["FaultyBackend", "RequestPlan", "RunMonitor", "WorkloadSpec", "percentiles", "plan"]
 
@@ -129,14 +129,22 @@ class FaultyBackend(EventBackend):
     def __init__(self, inner: EventBackend, rate: float, seed: int = 0) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # report the wrapped backend's name
+        self.device_type = inner.device_type  # type: ignore[misc]
+        self.pins_host = inner.pins_host  # type: ignore[misc]
         self.rate = rate
         self._rng = random.Random(seed ^ 0x5EED)
         self.injected = 0
 
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
-        return self.inner.create_pools(config)
+    def create_pools(self, config: OffloadConfig, host_buffer: Any = None) -> tuple[DevicePool, HostPool]:
+        return self.inner.create_pools(config, host_buffer)
 
-    def open(self, device: DevicePool, host: HostPool) -> None:
+    def create_host_pool(
+        self, n_pages: int, page_shape: Sequence[int], dtype: str, *, zero: bool = False, buffer: Any = None
+    ) -> HostPool:
+        return self.inner.create_host_pool(n_pages, page_shape, dtype, zero=zero, buffer=buffer)
+
+    def open(self, device: DevicePool | EnginePages, host: HostPool) -> None:
+        self.device_type = self.inner.device_type  # type: ignore[misc]
         self.inner.open(device, host)
         self.completes_on_its_own = self.inner.completes_on_its_own  # type: ignore[misc]
         self.needs_polling = self.inner.needs_polling  # type: ignore[misc]

@@ -122,7 +122,9 @@ CI = settings(
 
 def _machine(core: type[OffloadCore]) -> type[CoreLifecycleMachine]:
     """The core suite's machine on ``core``."""
-    return type(f"SuiteOn{core.__name__}", (CoreLifecycleMachine,), {"core_class": core})
+    return type(
+        f"SuiteOn{core.__name__}", (CoreLifecycleMachine,), {"core_class": core, "engine_owned_mode": True}
+    )
 
 
 def _driver_machine(core: type[OffloadCore]) -> type[LifecycleMachine]:

@@ -35,6 +35,7 @@ from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
+from kvoffload.pools import EnginePages
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.storage.writer import WritePolicy
 
@@ -99,6 +100,10 @@ class LifecycleMachine(RuleBasedStateMachine):
     check_bytes: ClassVar[bool] = True
     #: Whether rules that await (retract, wait_quiescent) apply: the asyncio driver only.
     awaits: ClassVar[bool] = True
+    #: Whether an example may draw engine-owned mode (the machine then plays the engine
+    #: itself: its own pages, passed with ``pages=``). Off for a subclass whose hooks
+    #: drive a scheduler that owns no pages; the suites of kvoffload turn it on.
+    engine_owned_mode: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,6 +119,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         # closed: the manager was closed mid-run; delivered: it still delivers completions.
         self.closed = False
         self.delivering = True
+        # Engine-owned mode: the machine is the engine - its KV tensors, its free pages,
+        # and the pages it gave each lifecycle (freed only in on_released).
+        self.engine_kv: list[Any] | None = None
+        self.free_pages: list[int] = []
+        self.given: dict[int, list[int]] = {}
 
     # --- hooks a user overrides to go through their own scheduler ----------------------
 
@@ -131,16 +141,55 @@ class LifecycleMachine(RuleBasedStateMachine):
             storage=storage,
             clock=lambda: self.now,
             write_policy=_WRITE_POLICY,
-            on_released=self.observer.on_released,
+            on_released=self.released,
+            device_kv=self.engine_kv,
         )
 
+    def released(self, lc: Lifecycle) -> None:
+        """``on_released(lc)``: checked once and only at RELEASED; engine-owned, the
+        engine frees the lifecycle's pages now (and not before) and may reuse them."""
+        self.observer.on_released(lc)
+        pages = self.given.pop(lc.id, None)
+        if pages is not None:
+            self.observer.on_engine_free(pages)
+            self.free_pages.extend(reversed(pages))
+
+    def _engine_pages(self, n: int) -> list[int]:
+        """The engine allocates ``n`` pages of its own, or refuses (PoolExhausted)."""
+        if n > len(self.free_pages):
+            raise PoolExhausted("engine", n, len(self.free_pages))
+        return [self.free_pages.pop() for _ in range(n)]
+
     def admit_request(self, rid: str, prompt: list[int]) -> Lifecycle:
-        """Admit a request; returns its lifecycle. Default: ``mgr.admit``."""
-        return self.mgr.admit(rid, prompt)  # type: ignore[no-any-return]
+        """Admit a request; returns its lifecycle. Default: ``mgr.admit`` (engine-owned:
+        with pages the machine, as the engine, allocates)."""
+        if self.engine_kv is None:
+            return self.mgr.admit(rid, prompt)  # type: ignore[no-any-return]
+        ps = self.core.config.page_size
+        pages = self._engine_pages(-(-len(prompt) // ps))
+        try:
+            lc: Lifecycle = self.mgr.admit(rid, prompt, pages=pages)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            raise
+        self.given[lc.id] = list(pages)
+        return lc
 
     def commit_tokens(self, lc: Lifecycle, tokens: list[int]) -> None:
-        """Tokens were decoded for ``lc``. Default: ``lc.extend``."""
-        lc.extend(tokens)
+        """Tokens were decoded for ``lc``. Default: ``lc.extend`` (engine-owned: with the
+        new pages the tokens start, which the engine allocates)."""
+        if self.engine_kv is None:
+            lc.extend(tokens)
+            return
+        ps = self.core.config.page_size
+        held = self.given.get(lc.id, [])
+        pages = self._engine_pages(max(0, -(-(lc.committed + len(tokens)) // ps) - len(held)))
+        try:
+            lc.extend(tokens, pages=pages)
+        except BaseException:
+            self.free_pages.extend(reversed(pages))
+            raise
+        held += pages
 
     def finish_request(self, lc: Lifecycle) -> None:
         """``lc``'s request finished decoding. Default: ``lc.finish``."""
@@ -219,6 +268,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         storage=st.booleans(),
         first_prompt=st.lists(_tokens, max_size=12),
         events=st.booleans(),
+        engine_owned=st.booleans(),
     )
     def open(
         self,
@@ -231,14 +281,25 @@ class LifecycleMachine(RuleBasedStateMachine):
         storage: bool,
         first_prompt: list[int] | None = None,
         events: bool = False,
+        engine_owned: bool = False,
     ) -> None:
         """Open a small manager; admit ``first_prompt`` on ``rids[0]`` (so that no example
         is without a request) unless it is None. ``events``: attach the observer's
-        listener (the slow path, replayed on the oracle)."""
+        listener (the slow path, replayed on the oracle). ``engine_owned``: the machine
+        is the engine - it owns ``device_pages`` pages of KV in two tensors, allocates
+        them, writes them and frees them only in ``on_released``."""
+        engine_owned = engine_owned and self.engine_owned_mode
+        if engine_owned:
+            import torch
+
+            shape = (device_pages, page_size, *KV_SHAPE)
+            self.engine_kv = [torch.zeros(shape, dtype=torch.int32) for _ in range(2)]
+            self.observer.engine_kv = self.engine_kv
+            self.free_pages = list(range(device_pages - 1, -1, -1))
         config = self.make_config(
             page_size=page_size,
             stride=page_size * stride_pages,
-            device_pages=device_pages,
+            device_pages=None if engine_owned else device_pages,
             host_pages=stride_pages + spare_host_pages,
             on_host_full=on_host_full,
             offload_prompt=offload_prompt,
@@ -555,7 +616,12 @@ class CoreLifecycleMachine(LifecycleMachine):
     def make_manager(
         self, config: OffloadConfig, backend: CheckedSimBackend, storage: FlakyStorage | None
     ) -> Any:
-        device, host = backend.create_pools(config)
+        device: Any
+        if self.engine_kv is not None:
+            device = EnginePages(self.engine_kv, config.page_size)
+            host = backend.create_host_pool(config.host_pages, (device.page_bytes,), "uint8")
+        else:
+            device, host = backend.create_pools(config)
         backend.open(device, host)
         core = self.core_class(
             config,
@@ -565,7 +631,7 @@ class CoreLifecycleMachine(LifecycleMachine):
             clock=lambda: self.now,
             storage=storage is not None,
         )
-        core.host.on_released = self.observer.on_released  # type: ignore[attr-defined]
+        core.host.on_released = self.released  # type: ignore[attr-defined]
         return core
 
     @property
@@ -586,7 +652,7 @@ class CoreLifecycleMachine(LifecycleMachine):
 
     def _released(self, released: list[Lifecycle]) -> None:
         for lc in released:
-            self.observer.on_released(lc)
+            self.released(lc)
 
     def close_manager(self) -> None:
         self._released(self.mgr.close())  # the core goes on delivering what is in flight

@@ -149,12 +149,21 @@ class CheckedSimBackend(SimBackend):
         self.observer = observer
         self.refuse = False
 
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
+    def create_host_pool(
+        self, n_pages: int, page_shape: Sequence[int], dtype: str, *, zero: bool = False, buffer: Any = None
+    ) -> HostPool:
+        """Engine-owned mode: the host pool, zero-filled (an unwritten page reads as zeros)."""
+        host = HostPool.new(n_pages, page_shape, dtype, zero=True)
+        self.observer.host = host
+        return host
+
+    def create_pools(self, config: OffloadConfig, host_buffer: Any = None) -> tuple[DevicePool, HostPool]:
+        assert config.device_pages is not None
         args = (config.page_size, config.kv_shape, config.dtype)
         device = _WatchedDevicePool.create(config.device_pages, *args)
         device.observer = self.observer
         self.observer.device = device
-        host = HostPool.create(config.host_pages, *args)
+        host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype, zero=True)
         self.observer.host = host
         return device, host
 
@@ -203,6 +212,8 @@ class Observer:
         # violations: what went wrong inside a call, reported at the next check.
         self.violations: list[str] = []
         self.events = False
+        # engine_kv: the engine's KV tensors in engine-owned mode (else None).
+        self.engine_kv: list[Any] | None = None
         self._oracle_factory: Callable[[], Any] | None = None
         # seen: what happened in this run (for hypothesis' coverage statistics).
         self.seen: set[str] = set()
@@ -285,25 +296,46 @@ class Observer:
         self.seen.add("close")
 
     def _write_kv(self, lc: Lifecycle, start: int, tokens: Sequence[int]) -> None:
+        """The engine's forward pass: each token's KV into its device page. Owned mode:
+        the pool's row is (lifecycle id, position, token id); engine-owned mode: the same
+        row in the engine's first tensor and (token id, position, lifecycle id) in its
+        second, so a page of the wrong tensor or in the wrong order shows up too."""
         if not tokens or not self.check_bytes:
             return
         import torch
 
-        assert self.device is not None
         ps = self.page_size
         pos = range(start, start + len(tokens))
         pages = torch.tensor([lc.device_pages[p // ps] for p in pos], dtype=torch.long)
         slots = torch.tensor([p % ps for p in pos], dtype=torch.long)
         rows = torch.tensor([[lc.id, p, t] for p, t in zip(pos, tokens, strict=True)], dtype=torch.int32)
+        if self.engine_kv is not None:
+            self.engine_kv[0][pages, slots] = rows
+            self.engine_kv[1][pages, slots] = rows.flip(1)
+            return
+        assert self.device is not None
         self.device.tensor[pages, slots] = rows.to(self.device.tensor.dtype)
 
     def expected_rows(self, lid: int, first: int, n: int) -> Any:
-        """The KV rows tokens ``first..first+n`` of lifecycle ``lid`` must hold."""
+        """The host pages tokens ``first..first+n`` of lifecycle ``lid`` must hold, as
+        int32 (owned: ``(pages, page_size, 3)``; engine-owned: ``(pages, 2 * page_size * 3)``,
+        the first tensor's page then the second's)."""
         import torch
 
         toks = self.lcs[lid].tokens[first : first + n]
-        rows = [[lid, first + i, t] for i, t in enumerate(toks)]
-        return torch.tensor(rows, dtype=torch.int32).reshape(n // self.page_size, self.page_size, 3)
+        rows = torch.tensor([[lid, first + i, t] for i, t in enumerate(toks)], dtype=torch.int32)
+        rows = rows.reshape(n // self.page_size, self.page_size, 3)
+        if self.engine_kv is None:
+            return rows
+        return torch.cat([rows.flatten(1), rows.flip(2).flatten(1)], dim=1)
+
+    def on_engine_free(self, pages: Sequence[int]) -> None:
+        """Engine-owned mode: the engine frees (and may reuse) ``pages`` after
+        ``on_released``; no copy may still read them (F3/F4, the engine's side)."""
+        reading = {p: s for s in self.transfers.values() if not s.signalled for p in s.device_pages}
+        for p in pages:
+            if p in reading:
+                self.violations.append(f"the engine freed page {p} while {reading[p].transfer!r} reads it")
 
     # --- the backend's side ----------------------------------------------------------------
 
@@ -336,6 +368,8 @@ class Observer:
             import torch
 
             got = self.host.tensor[torch.tensor(t.host_pages, dtype=torch.long)]
+            if self.engine_kv is not None:  # uint8 host pages: a page of each tensor, in order
+                got = got.contiguous().view(torch.int32).view(len(t.host_pages), -1)
             want = self.expected_rows(s.issuer, t.first_token, t.n_tokens)
             if not torch.equal(got.to(torch.int32), want):
                 self.violations.append(

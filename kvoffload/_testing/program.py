@@ -118,6 +118,7 @@ def open_arguments() -> st.SearchStrategy[dict[str, Any]]:
             "first_prompt": st.lists(tokens, max_size=12),
             # A listener (the slow path, replayed on the oracle) in one example of four.
             "events": st.sampled_from([False, False, False, True]),
+            "engine_owned": st.booleans(),
         }
     )
 

@@ -32,7 +32,7 @@ from kvoffload.backends._base import BackendBase
 from kvoffload.errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
-    from kvoffload.pools import DevicePool, HostPool
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = [
     "CompletionInbox",
@@ -76,6 +76,29 @@ def plan_runs(device_pages: Sequence[int], host_pages: Sequence[int]) -> list[Ru
         runs.append(Run(pairs[i][0], j - i, dev, dev[0] if consecutive else None))
         i = j
     return runs
+
+
+def copy_pages(
+    pairs: Sequence[tuple[Any, Any]], device_pages: Sequence[int], host_pages: Sequence[int]
+) -> None:
+    """Copy device pages to host pages (blocking; any thread). ``pairs`` are the
+    device side's ``copy_pairs(host)``: (source, destination) tensors whose row ``p`` is
+    one page; one block copy per run of consecutive pages, a gather where the device
+    pages of a run are scattered."""
+    import torch
+
+    runs = plan_runs(device_pages, host_pages)
+    index = [None if r.device_start is not None else torch.tensor(r.device, dtype=torch.long) for r in runs]
+    for src, dst in pairs:
+        for run, idx in zip(runs, index, strict=True):
+            out = dst[run.host_start : run.host_start + run.count]
+            if idx is None:
+                assert run.device_start is not None
+                out.copy_(src[run.device_start : run.device_start + run.count])
+            elif out.is_contiguous():
+                torch.index_select(src, 0, idx, out=out)
+            else:  # an engine tensor's slice of a host page: gather, then one strided copy
+                out.copy_(src.index_select(0, idx))
 
 
 @dataclass(slots=True)
@@ -341,7 +364,7 @@ class ThreadedBackend(BackendBase, Generic[_Item]):
         self._workers: list[StreamWorker[_Item]] = []
         # _staged: accepted, not yet launched, in submission order (owner thread only).
         self._staged: list[Transfer] = []
-        self._device: DevicePool | None = None
+        self._device: DevicePool | EnginePages | None = None
         self._host: HostPool | None = None
         self._closed = False
         self.submitted = 0
@@ -361,7 +384,7 @@ class ThreadedBackend(BackendBase, Generic[_Item]):
     def _accept(self, transfer: Transfer) -> None:
         """Backend-specific work at submit, on the owner thread (cuda: note the stream)."""
 
-    def open(self, device: DevicePool, host: HostPool) -> None:
+    def open(self, device: DevicePool | EnginePages, host: HostPool) -> None:
         """Bind the pools; start one thread per stream (owner thread)."""
         if self._workers or self._closed:
             raise BackendError(f"{self.name} backend opened twice")

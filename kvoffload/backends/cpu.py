@@ -20,39 +20,37 @@ is always true; completion is the worker thread returning from the copy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Completion, Transfer
-from kvoffload.backends._threaded import CompletionInbox, CopyHooks, StreamWorker, ThreadedBackend, plan_runs
-from kvoffload.pools import DevicePool, HostPool
+from kvoffload.backends._threaded import CompletionInbox, CopyHooks, StreamWorker, ThreadedBackend, copy_pages
 
 if TYPE_CHECKING:
-    from kvoffload.config import OffloadConfig
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = ["CpuBackend"]
 
 
-def copy_pages(device: DevicePool, host: HostPool, transfer: Transfer) -> None:
+def copy_transfer(pairs: Sequence[tuple[Any, Any]], transfer: Transfer) -> None:
     """Copy ``transfer``'s device pages into its host pages (blocking; any thread)."""
-    import torch
-
-    src, dst = device.tensor, host.tensor
-    for run in plan_runs(transfer.device_pages, transfer.host_pages):
-        out = dst[run.host_start : run.host_start + run.count]
-        if run.device_start is not None:
-            out.copy_(src[run.device_start : run.device_start + run.count])
-        else:
-            torch.index_select(src, 0, torch.tensor(run.device, dtype=torch.long), out=out)
+    copy_pages(pairs, transfer.device_pages, transfer.host_pages)
 
 
 class _CopyStream(StreamWorker[Transfer]):
     """One copy stream: copies its transfers in submission order on its own thread."""
 
     def __init__(
-        self, name: str, inbox: CompletionInbox, device: DevicePool, host: HostPool, hooks: CopyHooks
+        self,
+        name: str,
+        inbox: CompletionInbox,
+        device: DevicePool | EnginePages,
+        host: HostPool,
+        hooks: CopyHooks,
     ) -> None:
         super().__init__(name, inbox)
-        self._device, self._host, self._hooks = device, host, hooks
+        self._pairs = device.copy_pairs(host)
+        self._hooks = hooks
         self._page_nbytes = host.tensor[0].nbytes if host.n_pages else 1
 
     def transfer_of(self, item: Transfer) -> Transfer:
@@ -76,7 +74,7 @@ class _CopyStream(StreamWorker[Transfer]):
         merged.device_pages = [p for t in items for p in t.device_pages]
         merged.host_pages = [p for t in items for p in t.host_pages]  # distinct: held by each
         try:
-            copy_pages(self._device, self._host, merged)
+            copy_transfer(self._pairs, merged)
         except Exception:  # find the transfer that fails: copy them one by one
             return super().finish_batch(items)
         return [(t, None) for t in items]
@@ -88,7 +86,7 @@ class _CopyStream(StreamWorker[Transfer]):
             if error is not None:
                 return (item, error)
         try:
-            copy_pages(self._device, self._host, item)
+            copy_transfer(self._pairs, item)
         except Exception as e:  # this transfer fails; the stream goes on
             return (item, e)
         if hooks.after is not None:
@@ -103,14 +101,6 @@ class CpuBackend(ThreadedBackend[Transfer]):
     """
 
     name = "cpu"
-
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
-        """Plain CPU tensors for both pools (nothing to pin without a GPU)."""
-        args = (config.page_size, config.kv_shape, config.dtype)
-        return (
-            DevicePool.create(config.device_pages, *args),
-            HostPool.create(config.host_pages, *args),
-        )
 
     def _make_worker(self, index: int) -> _CopyStream:
         assert self._device is not None and self._host is not None

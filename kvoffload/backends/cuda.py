@@ -47,12 +47,12 @@ from kvoffload.backends._threaded import (
     plan_runs,
 )
 from kvoffload.errors import BackendError, ConfigError
-from kvoffload.pools import DevicePool, HostPool
+from kvoffload.pools import EnginePages as EnginePagesType
 
 if TYPE_CHECKING:
-    from kvoffload.config import OffloadConfig
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
-__all__ = ["CudaBackend", "EventStream", "InFlight", "order_after", "poll_completions"]
+__all__ = ["CudaBackend", "EventStream", "InFlight", "order_after", "poll_completions", "queue_copy"]
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
@@ -161,6 +161,55 @@ def order_after(side: Any, ready: Any) -> None:
         )
 
 
+def queue_copy(device: DevicePool | EnginePages, host: HostPool, transfer: Transfer, dev: Any) -> list[Any]:
+    """Queue ``transfer``'s device->host copy on the current stream; return the
+    temporaries that must live until it completed.
+
+    Owned mode: one copy per run of consecutive pages (up to a few), else one gather on
+    the device, then one copy per run of host pages. Engine-owned mode: the pages of
+    every KV tensor are gathered on the device into one staging buffer laid out as host
+    pages (each tensor's rows at its offset), then copied with one contiguous copy per
+    run of host pages - a strided copy into pinned memory would not be asynchronous.
+    Works on CPU tensors too (``dev`` a CPU device), which is how it is tested here.
+    """
+    import torch
+
+    runs = plan_runs(transfer.device_pages, transfer.host_pages)
+    cuda = getattr(dev, "type", "cpu") == "cuda"
+
+    def on_device(idx: Any) -> Any:
+        return idx.pin_memory().to(dev, non_blocking=True) if cuda else idx
+
+    if isinstance(device, EnginePagesType):
+        order = [p for r in runs for p in r.device]
+        idx = on_device(torch.tensor(order, dtype=torch.long))
+        stage = torch.empty((len(order), device.page_bytes), dtype=torch.uint8, device=dev)
+        for t, off, nb in zip(device.tensors, device.offsets, device.nbytes, strict=True):
+            stage[:, off : off + nb].copy_(t.view(device.n_pages, -1).view(torch.uint8).index_select(0, idx))
+        dst = host.tensor.view(host.n_pages, -1).view(torch.uint8)
+        k = 0
+        for r in runs:
+            dst[r.host_start : r.host_start + r.count].copy_(stage[k : k + r.count], non_blocking=cuda)
+            k += r.count
+        return [idx, stage]
+    src, dst = device.tensor, host.tensor
+    if len(runs) <= _DIRECT_RUNS_MAX and all(r.device_start is not None for r in runs):
+        for r in runs:
+            assert r.device_start is not None
+            dst[r.host_start : r.host_start + r.count].copy_(
+                src[r.device_start : r.device_start + r.count], non_blocking=cuda
+            )
+        return []
+    order = [p for r in runs for p in r.device]
+    idx = on_device(torch.tensor(order, dtype=torch.long))
+    gathered = src.index_select(0, idx)
+    off = 0
+    for r in runs:
+        dst[r.host_start : r.host_start + r.count].copy_(gathered[off : off + r.count], non_blocking=cuda)
+        off += r.count
+    return [idx, gathered]
+
+
 class _EventPool:
     """Blocking-sync CUDA events; one is handed out per submission (loop thread) and
     returned by the stream after its completion was consumed (any thread)."""
@@ -189,6 +238,8 @@ class CudaBackend(ThreadedBackend[InFlight]):
     """
 
     name = "cuda"
+    device_type = "cuda"
+    pins_host = True
 
     def __init__(
         self,
@@ -217,13 +268,9 @@ class CudaBackend(ThreadedBackend[InFlight]):
         self._run_threads = completion == "waiter"
         self._events = _EventPool(lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
 
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
-        """The device pool on the GPU; the host pool in pinned memory."""
-        args = (config.page_size, config.kv_shape, config.dtype)
-        return (
-            DevicePool.create(config.device_pages, *args, device=str(self.device)),
-            HostPool.create(config.host_pages, *args, pin_memory=True),
-        )
+    @property
+    def device_name(self) -> str:
+        return str(self.device)
 
     def _make_worker(self, index: int) -> EventStream:
         stream = self._torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
@@ -246,34 +293,15 @@ class CudaBackend(ThreadedBackend[InFlight]):
         torch = self._torch
         assert isinstance(worker, EventStream) and self._device is not None and self._host is not None
         side = worker.stream
-        src, dst = self._device.tensor, self._host.tensor
-        runs = plan_runs(transfer.device_pages, transfer.host_pages)
-        keep: list[Any] = []
         try:
             order_after(side, transfer.ready)  # F17, F26
             with torch.cuda.stream(side):
-                if len(runs) <= _DIRECT_RUNS_MAX and all(r.device_start is not None for r in runs):
-                    for r in runs:
-                        assert r.device_start is not None
-                        dst[r.host_start : r.host_start + r.count].copy_(
-                            src[r.device_start : r.device_start + r.count], non_blocking=True
-                        )
-                else:  # one gather on the device, then one copy per run of host pages
-                    order = [p for r in runs for p in r.device]
-                    idx = torch.tensor(order, dtype=torch.long).pin_memory()
-                    gathered = src.index_select(0, idx.to(self.device, non_blocking=True))
-                    off = 0
-                    for r in runs:
-                        dst[r.host_start : r.host_start + r.count].copy_(
-                            gathered[off : off + r.count], non_blocking=True
-                        )
-                        off += r.count
-                    keep = [idx, gathered]
+                keep = queue_copy(self._device, self._host, transfer, self.device)
                 event = self._events.get()
                 event.record(side)  # type: ignore[attr-defined]
         except Exception as e:
             # Part of the copy may be queued: let it end before the caller frees the host
-            # pages (an error path; the loop waits here only when a launch failed).
+            # pages (an error path; the driver waits here only when a launch failed).
             with contextlib.suppress(Exception):
                 side.synchronize()
             raise BackendError(f"{transfer!r}: could not start the copy: {e!r}") from e

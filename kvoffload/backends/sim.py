@@ -10,16 +10,15 @@ copy reads when the test completes it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends._base import BackendBase
-from kvoffload.backends._threaded import CompletionInbox
+from kvoffload.backends._threaded import CompletionInbox, copy_pages
 from kvoffload.errors import BackendError
-from kvoffload.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
-    from kvoffload.config import OffloadConfig
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = ["SimBackend"]
 
@@ -34,21 +33,15 @@ class SimBackend(BackendBase):
         # pending: submitted transfers not yet completed or failed, in submission order.
         self.pending: list[Transfer] = []
         self.inbox = CompletionInbox()
-        self._device: DevicePool | None = None
+        self._device: DevicePool | EnginePages | None = None
         self._host: HostPool | None = None
+        self._pairs: list[tuple[Any, Any]] = []
         self._closed = False
         self.submitted = 0
 
-    def create_pools(self, config: OffloadConfig) -> tuple[DevicePool, HostPool]:
-        """Plain CPU tensors for both pools."""
-        args = (config.page_size, config.kv_shape, config.dtype)
-        return (
-            DevicePool.create(config.device_pages, *args),
-            HostPool.create(config.host_pages, *args),
-        )
-
-    def open(self, device: DevicePool, host: HostPool) -> None:
+    def open(self, device: DevicePool | EnginePages, host: HostPool) -> None:
         self._device, self._host = device, host
+        self._pairs = device.copy_pairs(host)
 
     def submit(self, transfer: Transfer) -> None:
         """Record ``transfer`` as pending; nothing is copied yet."""
@@ -71,11 +64,7 @@ class SimBackend(BackendBase):
         """Copy ``transfer``'s device pages to its host pages now and signal success."""
         self._take(transfer)
         assert self._device is not None and self._host is not None
-        import torch
-
-        src = torch.tensor(transfer.device_pages, dtype=torch.long)
-        dst = torch.tensor(transfer.host_pages, dtype=torch.long)
-        self._host.tensor.index_copy_(0, dst, self._device.tensor.index_select(0, src))
+        copy_pages(self._pairs, transfer.device_pages, transfer.host_pages)
         self._signal((transfer, None))
 
     def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:

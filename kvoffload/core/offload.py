@@ -21,20 +21,20 @@ from _thread import get_ident
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvoffload.abc import Completion, Transfer, WriteJob
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger, notify_listeners
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import InvalidTransition, KVOffloadError
+from kvoffload.errors import InvalidTokens, InvalidTransition, KVOffloadError, PageError
 from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleHost, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE
 
 if TYPE_CHECKING:
-    from kvoffload.pools import DevicePool, HostPool
+    from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = ["OffloadCore"]
 
@@ -104,7 +104,7 @@ class OffloadCore:
         self,
         config: OffloadConfig,
         *,
-        device_pool: DevicePool,
+        device_pool: DevicePool | EnginePages,
         host_pool: HostPool,
         accept: Callable[[Transfer], None],
         clock: Callable[[], float] = time.monotonic,
@@ -165,16 +165,23 @@ class OffloadCore:
         rid: Any,
         prompt: Sequence[int],
         *,
+        pages: Any = None,
         tag: Any = None,
         chain_seed: str | None = None,
+        stored: int | None = None,
     ) -> Lifecycle:
-        """Admit a request: allocate device pages for ``prompt`` and return its new
-        lifecycle, in PENDING (or OFFLOADING when ``offload_prompt`` submits the prompt).
+        """Admit a request and return its new lifecycle, in PENDING (or OFFLOADING when
+        the prompt's unstored whole pages go out at once).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. Raises :class:`~kvoffload.InvalidTokens`,
-        :class:`~kvoffload.PoolExhausted`, or the mover's error when it refuses the
-        ``offload_prompt`` chunk, with nothing changed.
+        the two never share state. Owned mode allocates the prompt's device pages;
+        engine-owned mode takes ``pages``, the engine's ids of exactly the pages the
+        prompt fills. ``stored``: leading prompt tokens the storage tier already has
+        (page-aligned; default the page-aligned prompt, or 0 with ``offload_prompt``):
+        they are never copied and the chain continues from their key. Raises
+        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`,
+        :class:`~kvoffload.PageError`, or the mover's error when it refuses the prompt
+        chunk, with nothing changed.
         """
         if self.closing:
             raise KVOffloadError("the manager is closed: no request can be admitted")
@@ -182,39 +189,66 @@ class OffloadCore:
         tokens = validate_tokens(prompt, "prompt")
         n = len(tokens)
         ps = cfg.page_size
-        pages = self.device_pool.allocate(-(-n // ps))
+        aligned = n - n % ps
+        if stored is None:
+            stored = 0 if cfg.offload_prompt else aligned
+        elif type(stored) is not int or not 0 <= stored <= n or stored % ps:
+            raise InvalidTokens(
+                f"stored={stored!r} must be a whole number of pages (a multiple of page_size {ps}) "
+                f"between 0 and the prompt's {n} tokens"
+            )
+        dev = self._take_pages(-(-n // ps), pages)
         lc = Lifecycle(self, self.host, LifecycleId(self._next_id), rid, self.clock(), self.owner)
         lc.tag = tag
-        lc.device_pages = pages
-        lc._cap = len(pages) * ps
+        lc.device_pages = dev
+        lc._cap = len(dev) * ps
         lc.committed = n
         lc.chain_key = chain_seed
-        aligned = n - n % ps
-        if cfg.offload_prompt:
-            lc._tail = tokens
-            lc.due = aligned  # the prompt's page-aligned part is the first chunk
-        else:  # taken as stored by the prefill side; its pages seed the chain
-            if aligned:
-                lc.chain_key = page_run_keys(chain_seed, tokens[:aligned], ps)[-1]
-            lc.submitted = aligned
-            lc._tail = tokens[aligned:]
-            lc.due = aligned + cfg.stride
+        if stored:  # the stored prefix seeds the chain (its pages are never copied)
+            lc.chain_key = page_run_keys(chain_seed, tokens[:stored], ps)[-1]
+        lc.submitted = stored
+        lc._tail = tokens[stored:]
+        # offload_prompt: the prompt's unstored whole pages are the first chunk; else a
+        # chunk is due a stride past what is stored (at once for a resumed request).
+        lc.due = aligned if cfg.offload_prompt else stored + cfg.stride
         self._next_id += 1
         self.live[lc.id] = lc
         self.state_counts[0] += 1
         self.counters.admitted += 1
         if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
-            self.emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(pages))
-        if cfg.offload_prompt and aligned:
+            self.emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(dev))
+        pending = n - stored
+        due = pending - pending % (ps if cfg.offload_prompt else cfg.stride)
+        if due and n >= lc.due:
             try:
-                self._submit(lc, aligned)
+                self._submit(lc, due)
             except BaseException:  # the mover refused: admit is all or nothing
                 del self.live[lc.id]
                 self.state_counts[0] -= 1
                 self.counters.admitted -= 1
-                self.device_pool.free(pages)
+                self.device_pool.free(dev)
                 raise
         return lc
+
+    def _take_pages(self, n: int, given: Any) -> list[int]:
+        """Device pages for ``n`` new pages: allocated from kvoffload's own pool (owned
+        mode), or the engine's ids ``given`` claimed (engine-owned mode). Raises with
+        nothing taken."""
+        if self.config.device_pages is None:
+            if given is None:
+                if n == 0:
+                    return []
+                raise PageError(
+                    f"engine-owned mode (device_pages=None): these tokens start {n} new page(s); "
+                    "pass the engine's page ids with pages="
+                )
+            return cast("EnginePages", self.device_pool).claim(given, n)
+        if given is not None:
+            raise KVOffloadError(
+                "pages= hands over engine pages, but this manager owns its device pool "
+                "(device_pages is set): leave pages out, or use device_pages=None"
+            )
+        return cast("DevicePool", self.device_pool).allocate(n)
 
     def lifecycles(self, rid: Any = None) -> list[Lifecycle]:
         """Live lifecycles, oldest first; with ``rid``, those labelled ``rid`` (there may be
@@ -236,20 +270,15 @@ class OffloadCore:
         """The full path of :meth:`Lifecycle.extend` (the lifecycle takes a fast path for
         the quiet decode step). All or nothing: a bad token, a full device pool or a
         refused submission raises and changes nothing."""
-        if pages is not None:
-            raise KVOffloadError(
-                f"{lc!r}: extend(pages=...) hands over engine pages, but this manager owns its device "
-                "pool (device_pages is set): leave pages out"
-            )
         self._check(lc, _EXTEND)
         toks = validate_tokens(tokens)
         n = len(toks)
         committed = lc.committed + n
         ps = self.config.page_size
         held = len(lc.device_pages)
-        need = -(-committed // ps) - held
-        if need > 0:
-            lc.device_pages += self.device_pool.allocate(need)
+        need = max(0, -(-committed // ps) - held)
+        if need or pages:
+            lc.device_pages += self._take_pages(need, pages)
             lc._cap = len(lc.device_pages) * ps
         lc.committed = committed
         if toks.typecode != lc._tail.typecode:  # an id >= 2**32: this tail holds uint64 from now on
@@ -267,7 +296,7 @@ class OffloadCore:
             except BaseException:  # the mover refused: extend is all or nothing
                 del lc._tail[len(lc._tail) - n :]
                 lc.committed = committed - n
-                if need > 0:
+                if len(lc.device_pages) > held:
                     self.device_pool.free(lc.device_pages[held:])
                     del lc.device_pages[held:]
                     lc._cap = held * ps
@@ -277,9 +306,11 @@ class OffloadCore:
         """Owned mode, the quiet step's page allocation (called by the lifecycle's fast
         path): device pages for ``committed`` tokens, or :class:`~kvoffload.PoolExhausted`
         with nothing changed."""
+        if self.config.device_pages is None:
+            raise PageError(f"{lc!r}: the new tokens start a page; pass the engine's page id with pages=")
         ps = self.config.page_size
         pages = lc.device_pages
-        pages += self.device_pool.allocate(-(-committed // ps) - len(pages))
+        pages += cast("DevicePool", self.device_pool).allocate(-(-committed // ps) - len(pages))
         lc._cap = len(pages) * ps
 
     def finish(self, lc: Lifecycle) -> list[Lifecycle]:

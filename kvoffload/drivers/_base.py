@@ -17,14 +17,15 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
-from kvoffload.config import OffloadConfig
+from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import KVOffloadError, StorageError
+from kvoffload.errors import ConfigError, KVOffloadError, StorageError
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import Lifecycle, wrong_thread
 from kvoffload.lifecycle.table import validate
+from kvoffload.pools import EnginePages
 
 if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, HostPool
@@ -73,6 +74,8 @@ class DriverBase:
         clock: Callable[[], float] = time.monotonic,
         write_policy: WritePolicy | None = None,
         on_released: Callable[[Lifecycle], object] | None = None,
+        device_kv: Any = None,
+        host_buffer: Any = None,
     ) -> None:
         global _spec_validated
         if not _spec_validated:
@@ -96,8 +99,8 @@ class DriverBase:
         self.write_policy = write_policy if write_policy is not None else WritePolicy()
         self.clock = clock
         self.on_released = on_released
-        device, host = self.backend.create_pools(config)
-        self.device_pool: DevicePool = device
+        device, host = self._pools(config, device_kv, host_buffer)
+        self.device_pool: DevicePool | EnginePages = device
         self.host_pool: HostPool = host
         page_bytes = host.tensor[0].numel() * host.tensor.element_size() if host.n_pages else 0
         self.page_bytes = page_bytes
@@ -117,6 +120,41 @@ class DriverBase:
         self._owner: int | None = None
         self._open = False
         self._closed = False
+
+    def _pools(self, config: OffloadConfig, device_kv: Any, host_buffer: Any) -> tuple[Any, HostPool]:
+        """Owned mode: the backend's device and host pools. Engine-owned mode
+        (``device_pages=None``): the engine's ``device_kv`` (checked) and a host pool of
+        pages laid out as a page of every KV tensor, in order."""
+        backend = self.backend
+        if config.device_pages is not None:
+            if device_kv is not None:
+                raise ConfigError(
+                    "device_kv= hands over the engine's KV memory: use it with device_pages=None "
+                    "(engine-owned mode); device_pages=N makes kvoffload own its device pool"
+                )
+            return backend.create_pools(config, host_buffer)
+        if device_kv is None:
+            raise ConfigError(
+                "device_pages=None (engine-owned mode) needs device_kv=: the engine's KV tensors, "
+                "each (num_pages, page_size, ...)"
+            )
+        device = EnginePages(device_kv, config.page_size)
+        if device.device.type != backend.device_type:
+            raise ConfigError(
+                f"device_kv is on {device.device}, but the {backend.name} backend copies from "
+                f"{backend.device_type} tensors"
+            )
+        size = config.host_pages * device.page_bytes
+        ram = physical_memory()
+        if ram is not None and size > ram:
+            raise ConfigError(
+                f"host_pages={config.host_pages} is a pool of {size:,} bytes ({device.page_bytes:,} bytes a "
+                f"page of device_kv), more than this machine's {ram:,} bytes of RAM"
+            )
+        host = backend.create_host_pool(
+            config.host_pages, (device.page_bytes,), "uint8", zero=config.host_zero, buffer=host_buffer
+        )
+        return device, host
 
     # --- the core's job output -----------------------------------------------------------
 
@@ -185,23 +223,32 @@ class DriverBase:
         rid: Any,
         prompt: Sequence[int],
         *,
+        pages: Sequence[int] | None = None,
         tag: Any = None,
         chain_seed: str | None = None,
+        stored: int | None = None,
     ) -> Lifecycle:
-        """Admit a request: its new lifecycle, in PENDING (or OFFLOADING when
-        ``offload_prompt`` submits the prompt).
+        """Admit a request: its new lifecycle, in PENDING (or OFFLOADING when the
+        prompt's unstored whole pages go out at once).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. ``tag`` is the engine's handle, carried as
-        ``lc.tag``; ``chain_seed`` seeds the page-key chain (default: the config's
-        ``namespace`` seed; ``""`` for none). Raises :class:`~kvoffload.ConfigError` for a
-        seed that is not hex,
-        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`, or the
-        backend's error when it refuses the ``offload_prompt`` chunk, with nothing
-        changed; :class:`~kvoffload.WrongThread` off the owner thread.
+        the two never share state. ``pages``: engine-owned mode, the engine's ids of
+        exactly the pages the prompt fills (``[]`` for an empty prompt). ``tag`` is the
+        engine's handle, carried as ``lc.tag``; ``chain_seed`` seeds the page-key chain
+        (default: the config's ``namespace`` seed; ``""`` for none); ``stored``: leading
+        prompt tokens the tier already has (page-aligned; default the page-aligned
+        prompt, or 0 with ``offload_prompt``), never copied, the chain continuing from
+        their key. Raises :class:`~kvoffload.ConfigError` for a seed that is not hex,
+        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`,
+        :class:`~kvoffload.PageError` (a page id out of range, named twice or held by
+        another live lifecycle; a wrong count), or the backend's error when it refuses
+        the prompt chunk, with nothing changed; :class:`~kvoffload.WrongThread` off the
+        owner thread.
         """
         self._check_open("admit()")
-        return self.core.admit(rid, prompt, tag=tag, chain_seed=self._seed(chain_seed))
+        return self.core.admit(
+            rid, prompt, pages=pages, tag=tag, chain_seed=self._seed(chain_seed), stored=stored
+        )
 
     def _seed(self, chain_seed: str | None) -> str | None:
         """``chain_seed`` (checked), or the namespace's seed when it is None."""

@@ -65,6 +65,8 @@ class OffloadManager(DriverBase):
         clock: Callable[[], float] = time.monotonic,
         write_policy: WritePolicy | None = None,
         on_released: Callable[[Lifecycle], object] | None = None,
+        device_kv: Any = None,
+        host_buffer: Any = None,
     ) -> None:
         super().__init__(
             config,
@@ -73,6 +75,8 @@ class OffloadManager(DriverBase):
             clock=clock,
             write_policy=write_policy,
             on_released=on_released,
+            device_kv=device_kv,
+            host_buffer=host_buffer,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._launch_scheduled = False

@@ -64,6 +64,8 @@ class SyncOffloadManager(DriverBase):
         clock: Callable[[], float] = time.monotonic,
         write_policy: WritePolicy | None = None,
         on_released: Callable[[Lifecycle], object] | None = None,
+        device_kv: Any = None,
+        host_buffer: Any = None,
         group: Any = None,
     ) -> None:
         super().__init__(
@@ -73,6 +75,8 @@ class SyncOffloadManager(DriverBase):
             clock=clock,
             write_policy=write_policy,
             on_released=on_released,
+            device_kv=device_kv,
+            host_buffer=host_buffer,
         )
         if group is not None:
             raise KVOffloadError(

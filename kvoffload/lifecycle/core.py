@@ -218,7 +218,7 @@ class Lifecycle:
         # Fast path, the common decode step: a list of valid token ids, in a state where
         # extend is a pure self-loop (from the compiled table), no chunk due; a new page
         # is allocated inline. Everything else - errors included - takes the full path.
-        if pages is None and ready is None and type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
+        if not pages and ready is None and type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
             tail = self._tail
             n0 = len(tail)
             committed = self.committed + len(tokens)

@@ -148,15 +148,15 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     import kvoffload.backends.cpu as cpu_mod
     from kvoffload.abc import Transfer
 
-    real = cpu_mod.copy_pages
+    real = cpu_mod.copy_transfer
     boom = RuntimeError("copy failed")
 
-    def flaky(device: Any, host: Any, t: Transfer) -> None:
+    def flaky(pairs: Any, t: Transfer) -> None:
         if 1 in t.device_pages:  # any copy that reads device page 1 fails, merged or not
             raise boom
-        real(device, host, t)
+        real(pairs, t)
 
-    monkeypatch.setattr(cpu_mod, "copy_pages", flaky)
+    monkeypatch.setattr(cpu_mod, "copy_transfer", flaky)
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=4, host_pages=4, dtype="float32")
     b = CpuBackend()
     dev, host = b.create_pools(config)
@@ -187,16 +187,16 @@ def test_cpu_stream_copies_queued_transfers_as_one_merged_copy(monkeypatch: pyte
     dev, host = CpuBackend().create_pools(config)
     dev.tensor.normal_()
     calls: list[list[int]] = []
-    real = cpu_mod.copy_pages
+    real = cpu_mod.copy_transfer
     fail_page: list[int] = []
 
-    def spy(device: Any, host_pool: Any, t: Transfer) -> None:
+    def spy(pairs: Any, t: Transfer) -> None:
         calls.append(list(t.device_pages))
         if set(fail_page) & set(t.device_pages):
             raise RuntimeError("copy failed")
-        real(device, host_pool, t)
+        real(pairs, t)
 
-    monkeypatch.setattr(cpu_mod, "copy_pages", spy)
+    monkeypatch.setattr(cpu_mod, "copy_transfer", spy)
     stream = cpu_mod._CopyStream("test", CompletionInbox(), dev, host, CopyHooks())
     ts = [Transfer(object(), [2 * i, 2 * i + 1], [2 * i, 2 * i + 1], [], 0, 8, 0.0) for i in range(3)]  # type: ignore[arg-type]
     done = stream.finish_batch(ts)

@@ -31,15 +31,21 @@ DRIVER_EXAMPLES = 300
 
 
 class CoreSuite(CoreLifecycleMachine):
-    """The suite on the bare core."""
+    """The suite on the bare core (owned and engine-owned memory)."""
+
+    engine_owned_mode = True
 
 
 class AsyncSuite(LifecycleMachine):
     """The suite through the asyncio driver (OffloadManager)."""
 
+    engine_owned_mode = True
+
 
 class SyncSuite(SyncLifecycleMachine):
     """The suite through the sync driver (SyncOffloadManager)."""
+
+    engine_owned_mode = True
 
 
 @settings(max_examples=max(CORE_EXAMPLES, settings.default.max_examples))
