@@ -237,12 +237,73 @@ async def test_the_copy_waits_for_the_compute_stream_f17() -> None:
         dev.tensor[3].fill_(7.0)  # queued after the sleep on the compute stream
         t = Transfer(object(), [3], [5], [], 0, 4, 0.0)  # type: ignore[arg-type]
         b.submit(t)
+        b.launch()  # the driver's next turn
         with anyio.fail_after(60):
             [(done, err)] = await b.wait_completions()
         assert done is t and err is None
         assert torch.all(host.tensor[5] == 7.0)
     finally:
         await b.aclose()
+
+
+@needs_gpu
+@pytest.mark.asyncio
+async def test_the_copy_waits_for_the_engines_own_forward_stream_f26() -> None:
+    """F26: the engine computes on its own forward stream, not the current one; with
+    ``ready`` = that stream (or an event recorded on it) the copy reads the written bytes,
+    though the current stream is idle when the copy is launched."""
+    from kvoffload.abc import Transfer
+    from kvoffload.backends.cuda import CudaBackend
+
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
+    b = CudaBackend()
+    dev, host = b.create_pools(config)
+    b.open(dev, host)
+    forward = torch.cuda.Stream()
+    try:
+        for page, use_event in ((3, False), (4, True)):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(forward):
+                torch.cuda._sleep(200_000_000)  # the forward pass, on its own stream
+                dev.tensor[page].fill_(float(page))
+                ready: Any = forward
+                if use_event:
+                    ready = torch.cuda.Event()
+                    ready.record(forward)
+            t = Transfer(object(), [page], [page], [], 0, 4, 0.0)  # type: ignore[arg-type]
+            t.ready = ready
+            b.submit(t)
+            b.launch()
+            with anyio.fail_after(60):
+                [(done, err)] = await b.wait_completions()
+            assert done is t and err is None
+            assert torch.all(host.tensor[page] == float(page))
+    finally:
+        await b.aclose()
+
+
+@needs_gpu
+def test_engine_owned_device_kv_is_copied_on_the_gpu() -> None:
+    """Engine-owned mode on a GPU: per-layer tensors on the device, pages handed over
+    with extend(pages=, ready=), each stored host page a page of every tensor in order."""
+    kv = [torch.randn(16, 4, 2, 8, device="cuda").to(torch.float16) for _ in range(4)]
+    config = kvo.OffloadConfig(
+        page_size=4, stride=8, device_pages=None, host_pages=8, offload_prompt=True, drain_timeout_s=30
+    )
+    with kvo.SyncOffloadManager(config, backend="cuda", device_kv=kv, storage="memory") as mgr:
+        lc = mgr.admit("r", list(range(4)), pages=[9])
+        ev = torch.cuda.Event()
+        ev.record()
+        lc.extend(list(range(4, 8)), pages=[2], ready=ev)
+        lc.finish()
+        mgr.quiesce(30)
+        while mgr.writes_pending:
+            mgr.wait_progress(0.01)
+            mgr.poll()
+        pages = mgr.fetch(list(range(8)), 8)
+        assert len(pages) == 2
+        for raw, page in zip(pages, (9, 2), strict=True):
+            assert raw == b"".join(t[page].cpu().contiguous().view(torch.uint8).numpy().tobytes() for t in kv)
 
 
 @needs_gpu
