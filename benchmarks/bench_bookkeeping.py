@@ -1,31 +1,32 @@
-"""Per-step bookkeeping cost of kvoffload against two baselines, in one run.
+"""Per-step bookkeeping cost of kvoffload against two baselines, in one run (issue 14).
 
-Steps, each for 512 live requests:
-  extend  — one decode step that submits nothing (a token is committed);
-  submit  — a step that completes a stride and submits a chunk (keys, host pages);
-  deliver — the chunks' completions delivered (``SyncOffloadManager.poll()``: the
-            driver launches, takes the completions and the core applies them).
+A decode step commits one token for every live request; every STRIDE-th step each
+request's chunk is due (its keys, its host pages) and then its completion is delivered
+(``SyncOffloadManager.poll()``). The cost of a request-step is a stride of these steps,
+the chunk and its delivery included, divided by requests x steps. kvoffload runs
+through the sync driver on a SimBackend whose completions move no bytes.
 
-kvoffload runs through the sync driver on a SimBackend whose completions move no bytes
-(bookkeeping only). Baselines doing the same steps:
-  dict    — a lower bound of plain-Python bookkeeping for these steps: per-request
+Rows, kvoffload and the baselines alternating within every round (the order rotates
+each round), each ratio the median of per-round ratios - on a shared machine absolute
+times drift by 2x between minutes, the ratio of neighbours does not:
+  per-request  ``lc.extend([token])`` for each of 512 requests (prompt 16 tokens);
+  batched      ``mgr.extend_batch(lifecycles, tokens)`` for the same step;
+  prompt N     per-request on 64 requests whose prompts are N tokens (16, 2k, 8k, 32k):
+               the cost of a step must not grow with the sequence.
+Baselines:
+  dict    - a lower bound of plain-Python bookkeeping for these steps: per-request
             dicts keyed by request id, a free list of pages, the same SHA-256 key
             chain; no state machine, no checks, no events. It leaves out most of what
             SGLang's offload manager does per iteration; it is not SGLang.
-  async   — a `transitions` AsyncMachine per request driving the same states.
+  async   - a ``transitions`` AsyncMachine per request driving the same states.
 
-kvoffload and the dict baseline alternate within every round (the order flips each
-round), and each ratio is the median of the per-round ratios: on a shared machine
-absolute times drift by 2x between minutes, the ratio of neighbours does not.
+Memory: library overhead per live lifecycle at 100,000 (tracemalloc): admitted (a
+one-page prompt), and decoding (half a stride of tokens committed since).
 
-Memory: library overhead per live lifecycle for 100,000 lifecycles (tracemalloc,
-after admit, prompt of one page; the prompt tokens' own storage is excluded by
-admitting page-aligned prompts, which leave no tail).
-
-Targets: mean decode step kvoffload/dict <= 1.7x (issue 9); the table at least 20x
-faster than an AsyncMachine; under 1 KB per lifecycle. Logging runs at its default:
-structlog is not configured, so kvoffload's per-step debug events are off; the cost of
-that level-off gate is printed too.
+Targets: per-request mean step kvoffload/dict <= 1.2x; batched <= 0.5x the dict
+baseline; the 32k-token step <= 1.1x the 16-token step; memory <= 600 B admitted and
+<= 900 B decoding. Logging runs at its default: structlog is not configured, so
+kvoffload's per-step debug events are off.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ import asyncio
 import gc
 import hashlib
 import statistics
+import sys
 import time
-import timeit
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -46,18 +48,20 @@ from kvoffload.abc import Transfer
 from kvoffload.testing import SimBackend
 
 N = 512
+N_LONG = 64
 PAGE = 16
-STRIDE = 16
+STRIDE = 64
 ROUNDS = 9
-STEPS = ("extend", "submit", "deliver")
+PROMPTS = (16, 2048, 8192, 32768)
 
 
-def cfg(n: int = N) -> kvo.OffloadConfig:
+def cfg(n: int, prompt: int) -> kvo.OffloadConfig:
+    pages = n * (-(-prompt // PAGE) + (ROUNDS + 3) * STRIDE // PAGE)
     return kvo.OffloadConfig(
         page_size=PAGE,
         stride=STRIDE,
-        device_pages=n * 12,
-        host_pages=n * 4,
+        device_pages=pages,
+        host_pages=n * STRIDE // PAGE * 2,
         kv_shape=(1,),
         dtype="uint8",
     )
@@ -79,29 +83,37 @@ class NoCopySim(SimBackend):
 
 
 class Kvo:
-    """512 lifecycles on a SyncOffloadManager; one stride of decode steps per round."""
+    """``n`` lifecycles with ``prompt``-token prompts on a SyncOffloadManager; one stride of
+    decode steps per round, per request (``extend``) or batched (``extend_batch``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int, prompt: int, batched: bool = False) -> None:
+        self.n = n
+        self.batched = batched
         self.backend = NoCopySim()
-        self.mgr = kvo.SyncOffloadManager(cfg(), backend=self.backend).open()
-        self.lcs = [self.mgr.admit(f"r{i}", list(range(PAGE))) for i in range(N)]
+        self.mgr = kvo.SyncOffloadManager(cfg(n, prompt), backend=self.backend).open()
+        self.lcs = [self.mgr.admit(f"r{i}", list(range(prompt))) for i in range(n)]
+        self.tokens = [7] * n
 
-    def round(self) -> dict[str, float]:
-        lcs, tok = self.lcs, [7]
+    def round(self) -> float:
+        """Seconds per request-step of one stride (chunks and their delivery included)."""
+        lcs, mgr, tok = self.lcs, self.mgr, [7]
         t0 = time.perf_counter()
-        for _ in range(STRIDE - 1):  # STRIDE - 1 steps that submit nothing ...
-            for lc in lcs:
-                lc.extend(tok)
+        if self.batched:
+            batch, tokens = mgr.extend_batch, self.tokens
+            for _ in range(STRIDE):
+                batch(lcs, tokens)
+                mgr.poll()
+        else:
+            for _ in range(STRIDE):
+                for lc in lcs:
+                    lc.extend(tok)
+                mgr.poll()
         t1 = time.perf_counter()
-        for lc in lcs:  # ... then one that submits a chunk for every request
-            lc.extend(tok)
+        self.backend.signal_all()  # the copies end (not timed) ...
         t2 = time.perf_counter()
-        self.mgr.poll()  # launches them (nothing to deliver yet)
-        self.backend.signal_all()  # the copies end (not timed)
+        mgr.poll()  # ... and their completions are delivered
         t3 = time.perf_counter()
-        self.mgr.poll()  # delivers every completion
-        t4 = time.perf_counter()
-        return {"extend": (t1 - t0) / (N * (STRIDE - 1)), "submit": (t2 - t1) / N, "deliver": (t4 - t3) / N}
+        return ((t1 - t0) + (t3 - t2)) / (self.n * STRIDE)
 
     def close(self) -> None:
         self.mgr.check_invariants()
@@ -141,8 +153,8 @@ class Dict:
     """The dict baseline: the same steps in plain Python (see the module doc)."""
 
     def __init__(self) -> None:
-        self.free_dev = list(range(N * 12))
-        self.free_host = list(range(N * 4))
+        self.free_dev = list(range(N * (ROUNDS + 4) * STRIDE // PAGE))
+        self.free_host = list(range(N * STRIDE // PAGE * 2))
         self.reqs: dict[str, dict[str, Any]] = {}
         self.ops: dict[int, tuple[str, list[int], float]] = {}
         self.next_op = 0
@@ -174,19 +186,15 @@ class Dict:
             self.ops[self.next_op] = (rid, host, time.time())
             self.next_op += 1
 
-    def round(self) -> dict[str, float]:
+    def round(self) -> float:
+        """Seconds per request-step of one stride (chunks and their delivery included)."""
         step, rids, tok = self.step, self.rids, [7]
         t0 = time.perf_counter()
-        for _ in range(STRIDE - 1):
+        for _ in range(STRIDE):
             for rid in rids:
                 step(rid, tok)
-        t1 = time.perf_counter()
-        for rid in rids:
-            step(rid, tok)
-        t2 = time.perf_counter()
         done = list(self.ops)
         latencies: list[float] = []
-        t3 = time.perf_counter()
         for op in done:  # as SGLang's check_offload_progress: pop, latency, release if last
             rid, host, start = self.ops.pop(op)
             st = self.reqs[rid]
@@ -196,35 +204,37 @@ class Dict:
                 self.free_dev.extend(st["pages"])
                 del self.reqs[rid]
             self.free_host.extend(host)
-        t4 = time.perf_counter()
-        return {"extend": (t1 - t0) / (N * (STRIDE - 1)), "submit": (t2 - t1) / N, "deliver": (t4 - t3) / N}
+        return (time.perf_counter() - t0) / (N * STRIDE)
 
 
-def mean_step(r: dict[str, float]) -> float:
-    """A stride of decode steps: STRIDE - 1 quiet extends, one submit, one delivery."""
-    return ((STRIDE - 1) * r["extend"] + r["submit"] + r["deliver"]) / STRIDE
-
-
-def interleaved() -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """(kvoffload medians, dict medians, medians of per-round ratios kvo/dict)."""
-    ours, base = Kvo(), Dict()
-    rows: dict[str, list[tuple[float, float]]] = {k: [] for k in (*STEPS, "mean step")}
+def interleaved() -> dict[str, list[float]]:
+    """Per-round seconds per request-step of every row, the rows alternating within
+    every round (the order rotates)."""
+    rows: dict[str, Callable[[], float]] = {}
+    closers: list[Callable[[], None]] = []
+    base = Dict()
+    rows["dict"] = base.round
+    for name, n, prompt, batched in [
+        ("per-request", N, 16, False),
+        ("batched", N, 16, True),
+        *((f"prompt {p}", N_LONG, p, False) for p in PROMPTS),
+    ]:
+        k = Kvo(n, prompt, batched)
+        rows[name] = k.round
+        closers.append(k.close)
+    out: dict[str, list[float]] = {name: [] for name in rows}
     try:
-        ours.round(), base.round()  # warm-up
+        for fn in rows.values():
+            fn()  # warm-up
+        names = list(rows)
         for r in range(ROUNDS):
-            if r % 2:
-                b, o = base.round(), ours.round()
-            else:
-                o, b = ours.round(), base.round()
-            o["mean step"], b["mean step"] = mean_step(o), mean_step(b)
-            for k in rows:
-                rows[k].append((o[k], b[k]))
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                out[name].append(rows[name]())
     finally:
-        ours.close()
-    med_o = {k: statistics.median(x for x, _ in v) for k, v in rows.items()}
-    med_b = {k: statistics.median(y for _, y in v) for k, v in rows.items()}
-    ratio = {k: statistics.median(x / y for x, y in v) for k, v in rows.items()}
-    return med_o, med_b, ratio
+        for close in closers:
+            close()
+    return out
 
 
 # --- baseline: a transitions AsyncMachine per request ----------------------------------------
@@ -307,7 +317,7 @@ def bench_transition_table(n: int = 512) -> float:
     from kvoffload.lifecycle.table import EVENT_INDEX
 
     ext, sub, done = EVENT_INDEX["extend"], EVENT_INDEX["submit"], EVENT_INDEX["chunk_done"]
-    mgr = kvo.SyncOffloadManager(cfg(), backend=SimBackend()).open()
+    mgr = kvo.SyncOffloadManager(cfg(n, 0), backend=SimBackend()).open()
     lcs = [mgr.admit(i, []) for i in range(n)]
     fire = mgr.core._fire
     times: list[float] = []
@@ -327,37 +337,62 @@ def bench_transition_table(n: int = 512) -> float:
 # --- memory ------------------------------------------------------------------------------
 
 
-def bench_memory(n: int = 100_000) -> float:
+def bench_memory(n: int = 100_000) -> tuple[float, float]:
+    """Bytes of library overhead per live lifecycle at ``n``: admitted (a one-page prompt),
+    then decoding (half a stride of tokens committed since, one extend each)."""
     config = kvo.OffloadConfig(
-        page_size=PAGE, stride=STRIDE, device_pages=n + 1, host_pages=4, kv_shape=(1,), dtype="uint8"
+        page_size=PAGE,
+        stride=STRIDE,
+        device_pages=4 * n,
+        host_pages=STRIDE // PAGE,
+        kv_shape=(1,),
+        dtype="uint8",
     )
     with kvo.SyncOffloadManager(config, backend=SimBackend()) as mgr:
         prompt = list(range(PAGE))
+        rids = list(range(n))  # the caller's ids, allocated before measuring
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
-        lcs = [mgr.admit(i, prompt) for i in range(n)]
+        lcs = [mgr.admit(rid, prompt) for rid in rids]
         gc.collect()
-        after = tracemalloc.take_snapshot()
+        admitted = tracemalloc.take_snapshot()
+        step = list(range(STRIDE // 2))
+        for lc in lcs:
+            lc.extend(step)
+        gc.collect()
+        decoding = tracemalloc.take_snapshot()
         tracemalloc.stop()
-        total = sum(s.size_diff for s in after.compare_to(before, "filename"))
-        # the caller's own list of references is not library overhead
-        total -= lcs.__sizeof__()
+        own = lcs.__sizeof__()  # the caller's own list of references is not library overhead
+        a = sum(s.size_diff for s in admitted.compare_to(before, "filename")) - own
+        d = sum(s.size_diff for s in decoding.compare_to(before, "filename")) - own
         for lc in lcs:
             lc.abort()
-    return total / n
+    return a / n, d / n
 
 
-def main() -> None:
-    ours, base, ratio = interleaved()
+def main() -> int:
+    runs = interleaved()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(runs[a], runs[b], strict=True))
+
     print(
-        f"per-step bookkeeping, {N} live requests, {ROUNDS} rounds, kvoffload and the dict baseline "
-        "interleaved in each (µs per request-step; ratio = median of per-round ratios)"
+        f"bookkeeping per request-step, python {sys.version.split()[0]}, {ROUNDS} rounds, rows interleaved "
+        f"in each (page {PAGE}, stride {STRIDE}: a chunk every {STRIDE} steps, delivered; ratios: median "
+        "of per-round ratios)"
     )
-    print(f"{'step':<10}{'kvoffload':>12}{'dict':>10}{'kvo/dict':>10}")
-    for k in (*STEPS, "mean step"):
-        print(f"{k:<10}{ours[k] * 1e6:>12.3f}{base[k] * 1e6:>10.3f}{ratio[k]:>9.2f}x")
-    print(f"  (mean step: a stride of {STRIDE} decode steps: {STRIDE - 1} extends, 1 submit, 1 delivery)")
+    print(f"{'row':<30}{'µs':>9}{'vs dict':>10}")
+    print(f"{'dict baseline (' + str(N) + ' live)':<30}{med['dict'] * 1e6:>9.3f}")
+    r_req, r_batch = ratio("per-request", "dict"), ratio("batched", "dict")
+    print(f"{'per-request (' + str(N) + ' live)':<30}{med['per-request'] * 1e6:>9.3f}{r_req:>9.2f}x")
+    print(f"{'batched (' + str(N) + ' live)':<30}{med['batched'] * 1e6:>9.3f}{r_batch:>9.2f}x")
+    print(f"{'per-request, prompt of':<30}{'µs':>9}{'vs 16':>10}   ({N_LONG} live)")
+    for p in PROMPTS:
+        name = f"prompt {p}"
+        print(f"{'  ' + str(p) + ' tokens':<30}{med[name] * 1e6:>9.3f}{ratio(name, 'prompt 16'):>9.2f}x")
+    r_long = ratio(f"prompt {PROMPTS[-1]}", "prompt 16")
     table = bench_transition_table()
     machine = bench_transition_machine()
     amachine = asyncio.run(bench_transition_async_machine())
@@ -366,30 +401,26 @@ def main() -> None:
         f"  table {table * 1e6:.3f}   Machine {machine * 1e6:.3f} ({machine / table:.0f}x)"
         f"   AsyncMachine {amachine * 1e6:.3f} ({amachine / table:.0f}x)"
     )
-    step_o, step_b = ours["mean step"], base["mean step"]
     print(
-        f"  a whole decode step, AsyncMachine-based (dict + one AsyncMachine transition): "
-        f"{(step_b + amachine) * 1e6:.3f} µs = {(step_b + amachine) / step_o:.1f}x kvoffload's"
+        f"structlog configured: {structlog.is_configured()} "
+        "(kvoffload's debug events off: one attribute read)"
     )
-    from kvoffload.core.events import STRUCTLOG, debug_enabled
-
-    def gate_check() -> bool:  # exactly the hot paths' test, minus the listeners read
-        return bool(STRUCTLOG.is_configured and debug_enabled())
-
-    empty = min(timeit.repeat(lambda: None, number=100_000, repeat=5)) / 100_000
-    gate = min(timeit.repeat(gate_check, number=100_000, repeat=5)) / 100_000 - empty
+    admitted, decoding = bench_memory()
     print(
-        f"level-off event gate: {gate * 1e9:.0f} ns per transition "
-        f"({gate / ours['extend']:.0%} of an extend step); structlog configured: {structlog.is_configured()}"
+        f"memory per live lifecycle (100,000 live): {admitted:.0f} B admitted, "
+        f"{decoding:.0f} B decoding ({STRIDE // 2} tokens committed since)"
     )
-    per = bench_memory()
-    print(f"memory: {per:.0f} bytes of library overhead per live lifecycle (100,000 live)")
-    ok = ratio["mean step"] <= 1.7
-    print(
-        f"targets: mean step kvo/dict <= 1.70x: {ratio['mean step']:.2f}x {'ok' if ok else 'MISSED'}; "
-        f"AsyncMachine >= 20x the table: {amachine / table:.0f}x; memory < 1024 bytes: {per:.0f}"
-    )
+    checks = [
+        ("per-request kvo/dict <= 1.2x", r_req <= 1.2, f"{r_req:.2f}x"),
+        ("batched <= 0.5x dict", r_batch <= 0.5, f"{r_batch:.2f}x"),
+        (f"{PROMPTS[-1]}-token step <= 1.1x the 16-token step", r_long <= 1.1, f"{r_long:.2f}x"),
+        ("memory admitted <= 600 B", admitted <= 600, f"{admitted:.0f} B"),
+        ("memory decoding <= 900 B", decoding <= 900, f"{decoding:.0f} B"),
+        ("AsyncMachine >= 20x the table", amachine / table >= 20, f"{amachine / table:.0f}x"),
+    ]
+    print("targets: " + "; ".join(f"{what}: {got} {'ok' if ok else 'MISSED'}" for what, ok, got in checks))
+    return 0 if all(ok for _, ok, _ in checks) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -34,6 +34,7 @@ __all__ = [
     "namespace_seed",
     "pack_tokens",
     "page_key",
+    "page_run_digests",
     "page_run_keys",
     "validate_tokens",
 ]
@@ -71,6 +72,19 @@ def validate_tokens(tokens: Sequence[int], what: str = "tokens") -> array[int]:
     """
     items: Any
     scan = True  # whether elements may be Python objects of any type (bools included)
+    kind = type(tokens)
+    if kind is list or kind is tuple:  # the common case first: no ABC checks
+        try:
+            out = array(TOKEN_TYPECODE, tokens)
+        except (TypeError, OverflowError, ValueError):
+            return _wide(tokens, what)
+        if out:
+            if len(out) == 1:
+                if type(tokens[0]) is not int:
+                    _refuse_bools(tokens, out, what)
+            else:
+                _refuse_bools(tokens, out, what)
+        return out
     if isinstance(tokens, array):
         if tokens.typecode not in _INT_TYPECODES:
             raise InvalidTokens(f"{what} is an array of typecode {tokens.typecode!r}: token ids are integers")
@@ -79,9 +93,7 @@ def validate_tokens(tokens: Sequence[int], what: str = "tokens") -> array[int]:
         raise InvalidTokens(f"{what} must be a sequence of token ids, not {type(tokens).__name__}")
     elif isinstance(tokens, (AbstractSet, Mapping)):
         raise InvalidTokens(f"{what} must be an ordered sequence of token ids, not a {type(tokens).__name__}")
-    elif type(tokens) is list or type(tokens) is tuple:
-        items = tokens
-    elif type(tokens) is range:
+    elif kind is range:
         items, scan = tokens, False
     elif getattr(tokens, "dtype", None) is not None:  # a numpy array or a torch tensor
         dtype = str(tokens.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
@@ -215,6 +227,30 @@ def page_run_keys(prev_key: str | None, tokens: array[int], page_size: int) -> l
         key = h.hexdigest()
         keys.append(key)
     return keys
+
+
+def page_run_digests(prev: bytes, tokens: array[int], page_size: int) -> list[bytes]:
+    """The chain of :func:`page_run_keys` as binary SHA-256 digests: what the core keeps
+    (hex only where a key leaves the library). ``prev`` is the digest of the page before
+    (or the seed's bytes; ``b""`` at the root)."""
+    sha = hashlib.sha256
+    out: list[bytes] = []
+    d = prev
+    if tokens.typecode == TOKEN_TYPECODE:
+        packed = pack_tokens(tokens)
+        step = 4 * page_size
+        for off in range(0, len(packed), step):
+            h = sha(d)
+            h.update(packed[off : off + step])
+            d = h.digest()
+            out.append(d)
+        return out
+    for off in range(0, len(tokens), page_size):
+        h = sha(d)
+        h.update(_page_bytes(tokens[off : off + page_size]))
+        d = h.digest()
+        out.append(d)
+    return out
 
 
 def page_key(prev_key: str | None, page_tokens: Sequence[int]) -> str:

@@ -231,6 +231,7 @@ class Observer:
         self.events = events
         if events:
             core.listeners.append(self._on_event)
+            core.refresh_observed()
 
     def _on_event(self, name: str, fields: dict[str, Any]) -> None:
         assert self.core is not None

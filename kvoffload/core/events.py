@@ -1,13 +1,13 @@
-"""Structured events: one stable name per kind of thing, sent to structlog and to
-in-process listeners (the timeline recorder, tests).
+"""Structured events: one stable name per kind of thing, sent to the application's
+logging and to in-process listeners (the timeline recorder, tests).
 
-The library never configures structlog. Hot-path events (transitions, submissions,
-completions) are logged at debug level and are only *built* when someone would see
-them: when the application configured structlog and its wrapper class lets debug
-through, or when a listener is attached. An application that never configured
-structlog (structlog's default prints every level to stdout) gets kvoffload's
-warnings and errors, not a line per decode step. The gate costs a few attribute
-reads while its answer is cached.
+The library configures no logging. An event goes to the application's structlog
+configuration when it has one, else to the stdlib logger ``"kvoffload"``, which has a
+NullHandler: nothing is printed unless the application configured logging. Hot-path
+events (transitions, submissions, completions) are debug events, *built* only when
+someone would see them - a listener is attached, or the application's logging lets
+kvoffload's debug through (:data:`DEBUG`, refreshed at each admit) - so the hot path
+pays one attribute read for them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ from typing import Any
 
 import structlog
 
-__all__ = ["EVENT_NAMES", "STRUCTLOG", "Listener", "RateLimit", "debug_enabled", "logger", "notify_listeners"]
+__all__ = [
+    "DEBUG",
+    "EVENT_NAMES",
+    "STDLIB_LOGGER",
+    "Listener",
+    "Log",
+    "RateLimit",
+    "debug_enabled",
+    "logger",
+    "notify_listeners",
+    "refresh_debug",
+]
 
 #: Every event name kvoffload emits (docs/events.md lists them; a test checks).
 EVENT_NAMES: dict[str, str] = {
@@ -93,54 +104,95 @@ class RateLimit:
         return n
 
 
-logger = structlog.get_logger("kvoffload")
+#: The stdlib logger kvoffload writes to when the application has not configured
+#: structlog. It has a NullHandler, as a library's logger should: nothing is printed
+#: unless the application configured logging (then its handlers decide).
+STDLIB_LOGGER = logging.getLogger("kvoffload")
+STDLIB_LOGGER.addHandler(logging.NullHandler())
 
-try:  # structlog's live configuration; read-only use, with a public fallback.
-    from structlog import _config as _structlog_config
-
-    _STRUCTLOG_CONFIG: Any = _structlog_config._CONFIG
-except (ImportError, AttributeError):  # pragma: no cover - a future structlog
-    _STRUCTLOG_CONFIG = None
-
-
-class _AskEveryTime:
-    is_configured = True
+_LEVEL_NAMES = {
+    logging.DEBUG: "debug",
+    logging.INFO: "info",
+    logging.WARNING: "warning",
+    logging.ERROR: "error",
+}
 
 
-#: structlog's live configuration object. Hot paths read ``STRUCTLOG.is_configured``
-#: first (one attribute read) and call :func:`debug_enabled` only when it is true, so
-#: with structlog unconfigured - its default - a level-off event costs one read.
-STRUCTLOG: Any = _STRUCTLOG_CONFIG if _STRUCTLOG_CONFIG is not None else _AskEveryTime()
+class Log:
+    """kvoffload's logger. An event goes to the application's structlog configuration
+    when it configured structlog (``structlog.is_configured()``), else to the stdlib
+    logger ``"kvoffload"``: so kvoffload prints nothing unless the application
+    configured one of them, and its warnings go where the application's logging sends
+    them. Only public structlog and logging APIs are used. ``bind()`` returns a logger
+    that adds its fields to every event."""
 
-_cached_wrapper: object = None
-_cached_configured: object = None
-_cached_debug = False
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: dict[str, Any] | None = None) -> None:
+        self._fields = fields or {}
+
+    def bind(self, **fields: Any) -> Log:
+        return Log({**self._fields, **fields})
+
+    def _log(self, level: int, event: str, fields: dict[str, Any]) -> None:
+        if self._fields:
+            fields = {**self._fields, **fields}
+        if structlog.is_configured():
+            getattr(structlog.get_logger("kvoffload"), _LEVEL_NAMES[level])(event, **fields)
+        elif STDLIB_LOGGER.isEnabledFor(level):
+            text = " ".join(f"{k}={v!r}" for k, v in fields.items())
+            STDLIB_LOGGER.log(
+                level, "%s %s", event, text, extra={"kvoffload_event": event, "kvoffload": fields}
+            )
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._log(logging.DEBUG, event, fields)
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._log(logging.INFO, event, fields)
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._log(logging.WARNING, event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._log(logging.ERROR, event, fields)
+
+
+logger = Log()
 
 
 def debug_enabled() -> bool:
-    """Whether kvoffload's debug events would be seen: structlog was configured by the
-    application and its wrapper class lets debug through."""
-    cfg = _STRUCTLOG_CONFIG
-    if (
-        cfg is not None
-        and cfg.default_wrapper_class is _cached_wrapper
-        and cfg.is_configured is _cached_configured
-    ):
-        return _cached_debug
-    return _recompute()
-
-
-def _recompute() -> bool:
-    global _cached_wrapper, _cached_configured, _cached_debug
-    if _STRUCTLOG_CONFIG is None:  # pragma: no cover
-        wrapper, configured = structlog.get_config()["wrapper_class"], structlog.is_configured()
-    else:
-        wrapper, configured = _STRUCTLOG_CONFIG.default_wrapper_class, _STRUCTLOG_CONFIG.is_configured
-    enabled = bool(configured)
-    if enabled and getattr(wrapper, "is_enabled_for", None) is not None:
+    """Whether kvoffload's debug events would be seen now: the application configured
+    structlog and its wrapper class lets debug through, or it set the stdlib logger
+    ``"kvoffload"`` (or an ancestor) to DEBUG. Public APIs only; costs a few µs, so hot
+    paths read :data:`DEBUG` instead, which :func:`refresh_debug` keeps."""
+    if structlog.is_configured():
+        wrapper = structlog.get_config()["wrapper_class"]
+        if getattr(wrapper, "is_enabled_for", None) is None:
+            return True
         try:
-            enabled = bool(wrapper(structlog.PrintLogger(), [], {}).is_enabled_for(logging.DEBUG))
+            return bool(wrapper(structlog.PrintLogger(), [], {}).is_enabled_for(logging.DEBUG))
         except Exception:  # an exotic wrapper: assume it wants everything
-            enabled = True
-    _cached_wrapper, _cached_configured, _cached_debug = wrapper, configured, enabled
-    return enabled
+            return True
+    return STDLIB_LOGGER.isEnabledFor(logging.DEBUG)
+
+
+class _DebugGate:
+    """The hot paths' answer to "would a debug event be seen?": one attribute read.
+    Refreshed (:func:`refresh_debug`) when a manager opens, at every ``admit``, and when
+    a listener is added or removed - so an application that configures logging for
+    debug sees the debug events of requests admitted after that."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+DEBUG = _DebugGate()
+
+
+def refresh_debug() -> bool:
+    """Recompute :data:`DEBUG` from the logging configuration; return it."""
+    DEBUG.on = debug_enabled()
+    return DEBUG.on

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvoffload.abc import Completion, Transfer, WriteJob
 from kvoffload.config import OffloadConfig
-from kvoffload.core.events import STRUCTLOG, Listener, RateLimit, debug_enabled, logger, notify_listeners
+from kvoffload.core.events import DEBUG, Listener, RateLimit, logger, notify_listeners, refresh_debug
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import InvalidTokens, InvalidTransition, KVOffloadError, PageError
-from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_keys, validate_tokens
-from kvoffload.lifecycle.core import STATES, Lifecycle, LifecycleHost, LifecycleId
+from kvoffload.errors import InvalidTokens, InvalidTransition, KVOffloadError, PageError, PoolExhausted
+from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_digests, validate_tokens
+from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, STATES, Lifecycle, LifecycleHost, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE
 
@@ -47,6 +47,8 @@ _FINISH = EVENT_INDEX["finish"]
 _ABORT = EVENT_INDEX["abort"]
 _FINISHING = LifecycleState.FINISHING.value
 _RELEASED = LifecycleState.RELEASED.value
+_U32 = 1 << 32
+_TOKEN_LIMIT = 1 << 63
 #: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
@@ -146,6 +148,9 @@ class OffloadCore:
         self._write_out: list[WriteJob] = []
         self.counters = Counters()
         self.listeners: list[Listener] = []
+        # observed: whether events are built - a listener is attached or debug logging is
+        # seen (refresh_observed: at each admit and listener change). Hot paths read only this.
+        self.observed = False
         # closing: no copy may start (nothing would deliver it); set once by close().
         self.closing = False
         # _released: lifecycles released by the current call, returned by it.
@@ -185,6 +190,7 @@ class OffloadCore:
         """
         if self.closing:
             raise KVOffloadError("the manager is closed: no request can be admitted")
+        self.refresh_observed()
         cfg = self.config
         tokens = validate_tokens(prompt, "prompt")
         n = len(tokens)
@@ -198,24 +204,26 @@ class OffloadCore:
                 f"between 0 and the prompt's {n} tokens"
             )
         dev = self._take_pages(-(-n // ps), pages)
-        lc = Lifecycle(self, self.host, LifecycleId(self._next_id), rid, self.clock(), self.owner)
+        lc = Lifecycle(self, LifecycleId(self._next_id), rid, self.clock(), self.owner)
         lc.tag = tag
         lc.device_pages = dev
         lc._cap = len(dev) * ps
         lc.committed = n
-        lc.chain_key = chain_seed
+        seed = bytes.fromhex(chain_seed) if chain_seed else b""
+        lc._chain = seed
         if stored:  # the stored prefix seeds the chain (its pages are never copied)
-            lc.chain_key = page_run_keys(chain_seed, tokens[:stored], ps)[-1]
+            lc._chain = page_run_digests(seed, tokens[:stored], ps)[-1]
         lc.submitted = stored
         lc._tail = tokens[stored:]
         # offload_prompt: the prompt's unstored whole pages are the first chunk; else a
         # chunk is due a stride past what is stored (at once for a resumed request).
         lc.due = aligned if cfg.offload_prompt else stored + cfg.stride
+        self._requiet(lc)
         self._next_id += 1
         self.live[lc.id] = lc
         self.state_counts[0] += 1
         self.counters.admitted += 1
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if self.observed:
             self.emit("lifecycle.admitted", lc, prompt_tokens=n, device_pages=len(dev))
         pending = n - stored
         due = pending - pending % (ps if cfg.offload_prompt else cfg.stride)
@@ -287,7 +295,9 @@ class OffloadCore:
             else:
                 toks = array(WIDE_TYPECODE, toks)
         lc._tail += toks
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if lc._quiet >= 0 and toks.typecode != TOKEN_TYPECODE:
+            self._requiet(lc)  # a wide tail: the fast path no longer applies
+        if self.observed:
             self._fire(lc, _EXTEND)  # a self-loop in every state it is legal in: only its event
         if committed >= lc.due and lc._deferred_since is None:
             pending = committed - lc.submitted
@@ -302,16 +312,153 @@ class OffloadCore:
                     lc._cap = held * ps
                 raise
 
-    def grow(self, lc: Lifecycle, committed: int) -> None:
+    def extend_batch(
+        self,
+        lifecycles: Sequence[Lifecycle],
+        tokens: Sequence[Any],
+        *,
+        pages: Sequence[Any] | None = None,
+        ready: Any = None,
+    ) -> None:
+        """One decode step for many lifecycles: exactly as ``lc.extend(tokens[i],
+        pages=pages[i], ready=ready)`` for each ``lc = lifecycles[i]`` in order, keys and
+        chunk boundaries included, at a fraction of the cost. ``tokens[i]`` is one token
+        id (an int) or a sequence of them. Bad input anywhere in the batch - a lifecycle
+        of another manager or in a state that refuses extend, a bad token, a wrong or
+        taken page id, not enough free device pages for the whole batch - raises before
+        anything changes. A mover that refuses a chunk raises at that lifecycle, the ones
+        before it extended (as the sequential calls would)."""
+        n = len(lifecycles)
+        if len(tokens) != n or (pages is not None and len(pages) != n):
+            raise KVOffloadError(
+                f"extend_batch: {n} lifecycles, {len(tokens)} token entries"
+                + (f", {len(pages)} page entries" if pages is not None else "")
+                + ": one entry per lifecycle"
+            )
+        if ready is None and not self.observed and self._extend_quiet(lifecycles, tokens, pages):
+            return
+        self._extend_checked(lifecycles, tokens, pages, ready)
+
+    def _extend_quiet(self, lifecycles: Sequence[Lifecycle], tokens: Sequence[Any], pages: Any) -> bool:
+        """The common decode step in one pass: every entry one narrow token id for a
+        lifecycle of this core that stays under its quiet threshold (a new page is
+        taken inline). Returns True when the whole batch was applied; on the first entry
+        that is not such a step, every entry applied so far is undone and it returns
+        False (nothing changed) for :meth:`_extend_checked`."""
+        engine = self.config.device_pages is None
+        ps = self.config.page_size
+        done = 0
+        paged: list[Lifecycle] = []  # lifecycles that took a new page, in order
+        try:
+            for i, lc in enumerate(lifecycles):
+                t = tokens[i]
+                if type(t) is not int or lc._core is not self or not 0 <= t < _U32:
+                    break
+                c = lc.committed + 1
+                if c > lc._quiet:
+                    break
+                if c > lc._cap:
+                    if engine:
+                        if pages is None or pages[i] is None:
+                            break
+                        lc.device_pages += cast("EnginePages", self.device_pool).claim(pages[i], 1)
+                        lc._cap += ps
+                    else:
+                        self.grow(lc, c)
+                    paged.append(lc)
+                elif engine and pages is not None and pages[i]:
+                    break  # pages given where none is needed: the checked path says so
+                lc._tail.append(t)
+                lc.committed = c
+                done += 1
+            else:
+                return True
+        except KVOffloadError:
+            pass  # a page could not be had: undo, and let the checked path raise
+        for lc in reversed(lifecycles[:done]):
+            lc._tail.pop()
+            lc.committed -= 1
+            if paged and paged[-1] is lc and lc._cap - ps >= lc.committed:
+                paged.pop()
+                self.device_pool.free([lc.device_pages.pop()])
+                lc._cap -= ps
+        assert not paged, "a page taken by an entry that was not applied"
+        return False
+
+    def _extend_checked(
+        self, lifecycles: Sequence[Lifecycle], tokens: Sequence[Any], pages: Any, ready: Any
+    ) -> None:
+        """extend_batch's careful path: check every entry first, then extend each."""
+        n = len(lifecycles)
+        ps = self.config.page_size
+        engine = self.config.device_pages is None
+        # Validate everything first (nothing changes on bad input).
+        grown: dict[int, int] = {}  # lifecycle id -> committed after its entries so far
+        new_pages = 0
+        claimed: set[int] = set()
+        for i in range(n):
+            lc, t = lifecycles[i], tokens[i]
+            if lc._core is not self:
+                raise KVOffloadError(f"extend_batch: {lc!r} belongs to another manager")
+            self._check(lc, _EXTEND)
+            if type(t) is int:
+                if not 0 <= t < _TOKEN_LIMIT:
+                    validate_tokens([t], f"tokens[{i}]")
+                k = 1
+            else:
+                k = len(validate_tokens(t, f"tokens[{i}]"))
+            before = grown.get(lc.id, lc.committed)
+            grown[lc.id] = before + k
+            need = max(0, -(-(before + k) // ps) - max(len(lc.device_pages), -(-before // ps)))
+            new_pages += need
+            if engine:
+                given = pages[i] if pages is not None else None
+                if given is None and need:
+                    raise PageError(
+                        f"extend_batch: {lc!r} entry {i} starts {need} new page(s); pass them in pages"
+                    )
+                if given is not None:
+                    ids = list(given)
+                    if len(ids) != need:
+                        raise PageError(
+                            f"extend_batch: entry {i} starts {need} new page(s); {len(ids)} given"
+                        )
+                    for p in ids:
+                        if p in claimed:
+                            raise PageError(f"extend_batch: page id {p} is named twice in the batch")
+                        claimed.add(p)
+            elif pages is not None and pages[i]:
+                raise KVOffloadError("pages= hands over engine pages, but this manager owns its device pool")
+        pool = cast("EnginePages", self.device_pool)
+        if engine and claimed:
+            for p in claimed:  # range and held, checked before anything is claimed
+                if type(p) is not int or not 0 <= p < pool.n_pages or pool.is_allocated(p):
+                    pool.claim([p], 1)  # raises the precise PageError; nothing claimed
+        elif not engine and new_pages > self.device_pool.free_pages:
+            raise PoolExhausted("device", new_pages, self.device_pool.free_pages)
+        # Apply, each entry exactly as its own extend.
+        for i in range(n):
+            t = tokens[i]
+            entry = [t] if type(t) is int else t
+            self.extend(lifecycles[i], entry, pages=pages[i] if pages is not None else None, ready=ready)
+
+    def _requiet(self, lc: Lifecycle) -> None:
+        """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle)."""
+        quiet = EXTEND_SELF_LOOP[lc._s] and lc._tail.typecode == TOKEN_TYPECODE
+        lc._quiet = lc.due - 1 if quiet else -1
+
+    def grow(self, lc: Lifecycle, committed: int) -> bool:
         """Owned mode, the quiet step's page allocation (called by the lifecycle's fast
         path): device pages for ``committed`` tokens, or :class:`~kvoffload.PoolExhausted`
-        with nothing changed."""
+        with nothing changed. Engine-owned mode takes no page here: returns False (the
+        full path then asks for the engine's)."""
         if self.config.device_pages is None:
-            raise PageError(f"{lc!r}: the new tokens start a page; pass the engine's page id with pages=")
+            return False
         ps = self.config.page_size
         pages = lc.device_pages
         pages += cast("DevicePool", self.device_pool).allocate(-(-committed // ps) - len(pages))
         lc._cap = len(pages) * ps
+        return True
 
     def finish(self, lc: Lifecycle) -> list[Lifecycle]:
         """The request finished: flush the page-aligned remainder (F12), then FINISHING,
@@ -395,7 +542,8 @@ class OffloadCore:
             self._host_full(lc, wanted)
             return False
         first = lc.submitted // ps
-        keys = page_run_keys(lc.chain_key, lc._tail[:n], ps)
+        digests = page_run_digests(lc._chain, lc._tail[:n], ps)
+        keys = [d.hex() for d in digests]
         now = self.clock()
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
         t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
@@ -408,8 +556,9 @@ class OffloadCore:
             raise
         del lc._tail[:n]
         lc.submitted += n
-        lc.chain_key = keys[-1]
+        lc._chain = digests[-1]
         lc.due = lc.submitted + cfg.stride
+        self._requiet(lc)
         lc.inflight += 1
         self.inflight[t.id] = t
         c = self.counters
@@ -417,7 +566,7 @@ class OffloadCore:
         c.chunks_inflight += 1
         c.pages_submitted += npages
         c.pages_inflight += npages
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if self.observed:
             self.emit(
                 "transfer.submitted",
                 lc,
@@ -438,7 +587,7 @@ class OffloadCore:
                 lc._deferred_since = self.clock()
                 self.deferred.append(lc)
                 c.chunks_deferred += 1
-                if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                if self.observed:
                     self.emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
             return
         self._drop(lc, npages)
@@ -448,6 +597,7 @@ class OffloadCore:
         c.chunks_dropped += 1
         c.pages_dropped += npages
         lc.due = lc.committed + self.config.stride  # retry one stride later (F9)
+        self._requiet(lc)
         held = self._drop_log.due(self.clock())
         if held:
             logger.warning(
@@ -576,7 +726,7 @@ class OffloadCore:
         counts = self.state_counts
         fire = self._fire
         hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
-        observed = bool(self.listeners) or (STRUCTLOG.is_configured and debug_enabled())
+        observed = self.observed
         store = self.has_storage
         chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
         held: list[int] = []  # their host pages, not yet returned (none with storage)
@@ -621,7 +771,7 @@ class OffloadCore:
                     self._notify_quiet(lc)
                 if self.deferred and (error is not None or lc._aborted or not store):
                     self._pump_deferred()  # host pages came back
-                observed = bool(self.listeners) or (STRUCTLOG.is_configured and debug_enabled())
+                observed = self.observed
         finally:
             if chunks:
                 self._credit(chunks, pages, held)
@@ -688,7 +838,7 @@ class OffloadCore:
         else:
             self._credit(1, npages, host)
             name = "transfer.completed"
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if self.observed:
             self._emit_delivery(name, t, now)
         return _DONE
 
@@ -721,9 +871,9 @@ class OffloadCore:
             c.pages_stored += n
             if self._burst.since is not None:
                 self._recovered(job)
-            if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+            if self.observed:
                 fields = self._notify_write("storage.written", job, attempts=attempts)
-                if STRUCTLOG.is_configured and debug_enabled():
+                if DEBUG.on:
                     logger.debug("storage.written", **fields)
         else:
             c.pages_store_failed += n
@@ -809,13 +959,15 @@ class OffloadCore:
             counts[s] -= 1
             lc._s = dest
             lc.state_since = self.clock() if now is None else now
+            if not EXTEND_SELF_LOOP[dest]:
+                lc._quiet = -1
             if dest == _RELEASED:
-                if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                if self.observed:
                     self.emit_transition(lc, s, dest, e)
                 self._release(lc)
                 return
             counts[dest] += 1
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if self.observed:
             self.emit_transition(lc, s, dest, e)
 
     def _notify_quiet(self, lc: Lifecycle) -> None:
@@ -844,7 +996,7 @@ class OffloadCore:
             c.released_aborted += 1
         else:
             c.released_failed += 1
-        if self.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+        if self.observed:
             self.emit("lifecycle.released", lc, outcome=outcome.value, device_pages=len(pages))
         self._released.append(lc)
         ev = lc._released_ev
@@ -868,7 +1020,7 @@ class OffloadCore:
         fields["t"] = self.clock()
         if self.listeners:
             notify_listeners(self.listeners, name, fields)
-        if debug_enabled():
+        if DEBUG.on:
             log = lc._log
             if log is None:
                 log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
@@ -894,6 +1046,11 @@ class OffloadCore:
             trigger=EVENT_NAMES[e],
             **{"from": STATES[s].name, "to": STATES[dest].name},
         )
+
+    def refresh_observed(self) -> bool:
+        """Recompute :attr:`observed` (listeners, and whether debug logging is seen)."""
+        self.observed = refresh_debug() or bool(self.listeners)
+        return self.observed
 
     # --- reading ---------------------------------------------------------------------------
 

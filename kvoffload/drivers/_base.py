@@ -250,6 +250,24 @@ class DriverBase:
             rid, prompt, pages=pages, tag=tag, chain_seed=self._seed(chain_seed), stored=stored
         )
 
+    def extend_batch(
+        self,
+        lifecycles: Sequence[Lifecycle],
+        tokens: Sequence[Any],
+        *,
+        pages: Sequence[Any] | None = None,
+        ready: Any = None,
+    ) -> None:
+        """One decode step for many lifecycles at once: exactly as ``lc.extend(tokens[i],
+        pages=pages[i], ready=ready)`` for each lifecycle in order (keys and chunk
+        boundaries included), at a fraction of the per-request cost. ``tokens[i]`` is a
+        token id or a sequence of them. Bad input anywhere in the batch raises before
+        anything changes (:class:`~kvoffload.InvalidTransition`,
+        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PageError`,
+        :class:`~kvoffload.PoolExhausted`, :class:`~kvoffload.KVOffloadError`)."""
+        self._check_open("extend_batch()")
+        self.core.extend_batch(lifecycles, tokens, pages=pages, ready=ready)
+
     def _seed(self, chain_seed: str | None) -> str | None:
         """``chain_seed`` (checked), or the namespace's seed when it is None."""
         return self._namespace_seed if chain_seed is None else check_seed(chain_seed)
@@ -335,9 +353,17 @@ class DriverBase:
         Listeners are called on the owner thread; attaching one makes every step build
         its events (the slow path)."""
         self._check_owner("add_listener()")
-        listeners = self.core.listeners
+        core = self.core
+        listeners = core.listeners
         listeners.append(listener)
-        return lambda: listeners.remove(listener) if listener in listeners else None
+        core.refresh_observed()
+
+        def remove() -> None:
+            if listener in listeners:
+                listeners.remove(listener)
+                core.refresh_observed()
+
+        return remove
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""

@@ -102,6 +102,7 @@ class OffloadManager(DriverBase):
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._owner = self.core.owner = get_ident()
+        self.core.refresh_observed()
         self.backend.open(self.device_pool, self.host_pool)
         self.backend.set_waker(self._wake_from_any_thread)
         if self.storage is not None:

@@ -106,6 +106,7 @@ class SyncOffloadManager(DriverBase):
         if self._open or self._closed:
             raise KVOffloadError("a SyncOffloadManager can be opened once")
         self._owner = self.core.owner = get_ident()
+        self.core.refresh_observed()
         self.backend.open(self.device_pool, self.host_pool)
         self.backend.set_waker(None)
         if self.storage is not None:

@@ -16,7 +16,6 @@ from array import array
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, NewType, Protocol
 
-from kvoffload.core.events import STRUCTLOG, debug_enabled
 from kvoffload.errors import KVOffloadError, WrongThread
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
@@ -25,7 +24,7 @@ from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
 if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
 
-__all__ = ["STATES", "Lifecycle", "LifecycleHost", "LifecycleId", "Waker", "wrong_thread"]
+__all__ = ["EXTEND_SELF_LOOP", "STATES", "Lifecycle", "LifecycleHost", "LifecycleId", "Waker", "wrong_thread"]
 
 LifecycleId = NewType("LifecycleId", int)
 
@@ -34,7 +33,7 @@ STATES: tuple[LifecycleState, ...] = tuple(LifecycleState)
 
 _EXTEND = EVENT_INDEX["extend"]
 #: For each state: is ``extend`` a self-loop there under every condition? (From the table.)
-_EXTEND_SELF_LOOP: tuple[bool, ...] = tuple(
+EXTEND_SELF_LOOP: tuple[bool, ...] = tuple(
     all(dest == s for dest in TABLE[s][_EXTEND]) for s in range(len(STATES))
 )
 
@@ -94,17 +93,17 @@ class Lifecycle:
         "__weakref__",
         "_aborted",
         "_cap",
+        "_chain",
         "_core",
         "_deferred_since",
         "_failed",
-        "_host",
         "_log",
         "_owner",
+        "_quiet",
         "_quiet_ev",
         "_released_ev",
         "_s",
         "_tail",
-        "chain_key",
         "committed",
         "device_pages",
         "due",
@@ -126,8 +125,12 @@ class Lifecycle:
     # Invariant: 0 <= self.submitted <= self.committed and self.submitted % page_size == 0
     # _tail: token ids committed[submitted:], kept to compute keys at submit time (F11).
     # Invariant: len(self._tail) == self.committed - self.submitted
-    # chain_key: key of the page that ends at `submitted` (the chain seed before the first page).
+    # _chain: SHA-256 digest of the page that ends at `submitted` (the chain seed's bytes
+    #   before the first page; b"" at the root). Its hex is `chain_key`.
     # due: `committed` at which the next chunk is due (a stride past the last attempt).
+    # _quiet: the largest `committed` an extend may reach on the fast path: due - 1 while
+    #   extend is a self-loop of the state (PENDING, OFFLOADING) and the tail is narrow, else -1.
+    # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail else -1)
     # device_pages: the device pages holding this request's KV, in token order.
     # _cap: tokens the device pages can hold; changed only where device pages are added.
     # Invariant: self._cap == len(self.device_pages) * page_size
@@ -140,11 +143,8 @@ class Lifecycle:
     # _released_ev / _quiet_ev: a driver's Waker, set by the core when the lifecycle is
     #   RELEASED / quiescent; None when nobody waits.
 
-    def __init__(
-        self, core: OffloadCore, host: LifecycleHost, lid: LifecycleId, rid: Any, now: float, owner: int
-    ) -> None:
+    def __init__(self, core: OffloadCore, lid: LifecycleId, rid: Any, now: float, owner: int) -> None:
         self._core = core
-        self._host = host
         self._owner = owner
         self.id = lid
         self.rid = rid
@@ -153,8 +153,9 @@ class Lifecycle:
         self.committed = 0
         self.submitted = 0
         self._tail: array[int] = array(TOKEN_TYPECODE)
-        self.chain_key: str | None = None
+        self._chain = b""
         self.due = 0
+        self._quiet = -1
         self.device_pages: list[int] = []
         self._cap = 0
         self.inflight = 0
@@ -197,7 +198,13 @@ class Lifecycle:
     @property
     def manager(self) -> Any:
         """The manager (driver) that admitted this lifecycle."""
-        return self._host
+        return self._core.host
+
+    @property
+    def chain_key(self) -> str | None:
+        """Key of the last submitted (or stored) page, hex; the chain seed before the
+        first page; ``None`` at the root of an unseeded chain."""
+        return self._chain.hex() if self._chain else None
 
     # --- events (sync, run to completion) ------------------------------------------
 
@@ -218,13 +225,29 @@ class Lifecycle:
         # Fast path, the common decode step: a list of valid token ids, in a state where
         # extend is a pure self-loop (from the compiled table), no chunk due; a new page
         # is allocated inline. Everything else - errors included - takes the full path.
-        if not pages and ready is None and type(tokens) is list and _EXTEND_SELF_LOOP[self._s]:
-            tail = self._tail
-            n0 = len(tail)
+        # One comparison decides it: _quiet is due - 1 in a state where extend is a
+        # self-loop with a narrow tail, else -1. A uint64 tail takes the full path
+        # (array("Q") would take ids >= 2**63), and so does a bool (array("I") takes it).
+        if type(tokens) is list and not pages and ready is None:
+            if len(tokens) == 1:  # one decode step of one token: the hottest path
+                t = tokens[0]
+                committed = self.committed + 1
+                if (
+                    committed <= self._quiet
+                    and type(t) is int
+                    and 0 <= t < 4294967296
+                    and (committed <= self._cap or self._core.grow(self, committed))
+                ):  # a new page is allocated inline (engine-owned: the full path asks for it)
+                    self._tail.append(t)
+                    self.committed = committed
+                    core = self._core
+                    if core.observed:
+                        core.emit_transition(self, self._s, self._s, _EXTEND)
+                    return
             committed = self.committed + len(tokens)
-            # A uint64 tail (an id >= 2**32 was committed) takes the full path: array("Q")
-            # would take ids >= 2**63. So does a bool, which array("I") takes as 0 or 1.
-            if committed < self.due and tail.typecode == TOKEN_TYPECODE:
+            if committed <= self._quiet:
+                tail = self._tail
+                n0 = len(tail)
                 try:
                     tail.extend(tokens)
                     if (
@@ -233,14 +256,14 @@ class Lifecycle:
                         else (True in tokens or False in tokens)
                     ):
                         raise TypeError  # a bool (or an id equal to one: the full path tells them apart)
-                    if committed > self._cap:  # a new page, allocated inline
-                        self._core.grow(self, committed)
+                    if committed > self._cap and not self._core.grow(self, committed):
+                        raise TypeError  # engine-owned: the full path asks for the page
                 except (TypeError, OverflowError, ValueError, KVOffloadError):
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
                     self.committed = committed
                     core = self._core
-                    if core.listeners or (STRUCTLOG.is_configured and debug_enabled()):
+                    if core.observed:
                         core.emit_transition(self, self._s, self._s, _EXTEND)
                     return
         self._core.extend(self, tokens, pages=pages, ready=ready)
@@ -251,7 +274,7 @@ class Lifecycle:
         RELEASED when nothing is in flight. Legal in PENDING and OFFLOADING."""
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.finish()")
-        self._host.finish_lifecycle(self)
+        self._core.host.finish_lifecycle(self)
 
     def abort(self) -> None:
         """Stop offloading: no new chunks; in-flight ones are discarded when they
@@ -259,7 +282,7 @@ class Lifecycle:
         after the last one. Legal in every live state."""
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.abort()")
-        self._host.abort_lifecycle(self)
+        self._core.host.abort_lifecycle(self)
 
     # --- waiting (asyncio manager) ---------------------------------------------------
 
@@ -271,7 +294,7 @@ class Lifecycle:
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.wait_released()")
         if self._s != 3:
-            await self._host.wait_lifecycle(self, True)
+            await self._core.host.wait_lifecycle(self, True)
 
     async def wait_quiescent(self) -> None:
         """The barrier of every path that wants this request's device pages back
@@ -281,7 +304,7 @@ class Lifecycle:
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.wait_quiescent()")
         if not self.quiescent:
-            await self._host.wait_lifecycle(self, False)
+            await self._core.host.wait_lifecycle(self, False)
 
     async def retract(self) -> None:
         """Retraction / preemption: abort (if still live) and wait until RELEASED, so

@@ -1,0 +1,251 @@
+"""``extend_batch`` is ``extend`` on each lifecycle in order, only cheaper (issue 14).
+
+Two cores receive the same random schedule - admits, batched decode steps (one token or
+a few per lifecycle, a lifecycle possibly twice in a step), finishes, aborts and
+completions in any order - one through ``extend_batch``, the other through ``extend``
+call by call. After every step their lifecycles, their submitted chunks (keys, chunk
+boundaries, pages) and their statistics are identical; a batch with one bad entry
+raises before anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvoffload as kvo
+from kvoffload.abc import Transfer
+from kvoffload.core.offload import OffloadCore
+from kvoffload.pools import DevicePool, EnginePages, HostPool
+
+
+class Side:
+    """One core and what it submitted."""
+
+    def __init__(self, config: kvo.OffloadConfig, engine: bool) -> None:
+        self.jobs: list[Transfer] = []
+        self.engine = engine
+        args = (config.page_size, config.kv_shape, config.dtype)
+        device: Any
+        if engine:
+            device = EnginePages([torch.zeros(64, config.page_size, 1)], config.page_size)
+            host = HostPool.new(config.host_pages, (device.page_bytes,), "uint8")
+        else:
+            device = DevicePool.create(64, *args)
+            host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype)
+        self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.jobs.append)
+        self.lcs: list[kvo.Lifecycle] = []
+        self.free = list(range(63, -1, -1))
+        self.given: dict[int, list[int]] = {}
+        self.core.host.on_released = self.released  # type: ignore[attr-defined]
+
+    def released(self, lc: kvo.Lifecycle) -> None:
+        self.free.extend(reversed(self.given.pop(lc.id, [])))
+
+    def pages_for(self, lc: kvo.Lifecycle | None, before: int, k: int) -> list[int] | None:
+        if not self.engine:
+            return None
+        ps = self.core.config.page_size
+        held = len(self.given.get(lc.id, [])) if lc is not None else 0
+        need = max(0, -(-(before + k) // ps) - max(held, -(-before // ps)))
+        return [self.free.pop() for _ in range(need)]
+
+    def snapshot(self) -> Any:
+        lcs = [
+            (
+                lc.state,
+                lc.committed,
+                lc.submitted,
+                lc.chain_key,
+                lc.inflight,
+                list(lc.device_pages),
+                lc.due,
+                lc.outcome,
+            )
+            for lc in self.lcs
+        ]
+        jobs = [(t.keys, t.first_token, t.n_tokens, t.device_pages, t.host_pages) for t in self.jobs]
+        return lcs, jobs, self.core.statistics()
+
+
+step = st.one_of(
+    st.tuples(st.just("admit"), st.lists(st.integers(0, 9), max_size=9)),
+    st.tuples(
+        st.just("batch"),
+        st.lists(
+            st.tuples(
+                st.integers(0, 5),
+                st.one_of(st.integers(0, 9), st.lists(st.integers(0, 9), min_size=1, max_size=4)),
+            ),
+            min_size=1,
+            max_size=6,
+        ),
+    ),
+    st.tuples(st.just("finish"), st.integers(0, 5)),
+    st.tuples(st.just("abort"), st.integers(0, 5)),
+    st.tuples(st.just("complete"), st.integers(0, 7)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    page_size=st.integers(1, 4),
+    stride_pages=st.integers(1, 3),
+    host_pages=st.integers(3, 12),
+    offload_prompt=st.booleans(),
+    engine=st.booleans(),
+    steps=st.lists(step, max_size=25),
+)
+def test_a_batch_is_the_sequential_extends(
+    page_size: int, stride_pages: int, host_pages: int, offload_prompt: bool, engine: bool, steps: list[Any]
+) -> None:
+    config = kvo.OffloadConfig(
+        page_size=page_size,
+        stride=page_size * stride_pages,
+        device_pages=None if engine else 64,
+        host_pages=max(host_pages, stride_pages),
+        kv_shape=(1,),
+        dtype="float32",
+        offload_prompt=offload_prompt,
+    )
+    a, b = Side(config, engine), Side(config, engine)
+    for kind, arg in steps:
+        if kind == "admit":
+            if len(a.lcs) >= 6 or (engine and len(a.free) < 20):
+                continue
+            for side in (a, b):
+                pages = side.pages_for(None, 0, len(arg))
+                lc = side.core.admit(f"r{len(side.lcs) % 3}", arg, pages=pages)
+                side.lcs.append(lc)
+                side.given[lc.id] = list(pages or [])
+        elif kind == "batch":
+            entries = [(i % len(a.lcs), t) for i, t in arg] if a.lcs else []
+            entries = [
+                (i, t)
+                for i, t in entries
+                if a.lcs[i].state in (kvo.LifecycleState.PENDING, kvo.LifecycleState.OFFLOADING)
+            ]
+            if not entries or (engine and len(a.free) < 12):
+                continue
+            for side, batched in ((a, True), (b, False)):
+                lcs = [side.lcs[i] for i, _ in entries]
+                tokens = [t for _, t in entries]
+                pages: list[Any] = []
+                committed: dict[int, int] = {}
+                for lc, t in zip(lcs, tokens, strict=True):
+                    k = 1 if isinstance(t, int) else len(t)
+                    before = committed.get(lc.id, lc.committed)
+                    pg = side.pages_for(lc, before, k)
+                    if pg is not None:
+                        side.given[lc.id] += pg
+                    committed[lc.id] = before + k
+                    pages.append(pg)
+                if batched:
+                    side.core.extend_batch(lcs, tokens, pages=pages if engine else None)
+                else:
+                    for lc, t, pg in zip(lcs, tokens, pages, strict=True):
+                        lc.extend([t] if isinstance(t, int) else list(t), pages=pg)
+        elif kind in ("finish", "abort") and a.lcs:
+            i = arg % len(a.lcs)
+            if a.lcs[i].state is kvo.LifecycleState.RELEASED or (
+                kind == "finish" and a.lcs[i].state is kvo.LifecycleState.FINISHING
+            ):
+                continue
+            for side in (a, b):
+                getattr(side.lcs[i], kind)()
+        elif kind == "complete" and a.core.inflight:
+            for side in (a, b):
+                t = list(side.core.inflight.values())[arg % len(side.core.inflight)]
+                side.core.complete([(t, None)])
+        assert a.snapshot() == b.snapshot()
+        a.core.check_invariants()
+
+
+def _batch_side(engine: bool) -> Side:
+    config = kvo.OffloadConfig(
+        page_size=2,
+        stride=4,
+        device_pages=None if engine else 64,
+        host_pages=8,
+        kv_shape=(1,),
+        dtype="float32",
+    )
+    side = Side(config, engine)
+    for i in range(3):
+        pages = side.pages_for(None, 0, 1)
+        lc = side.core.admit(f"r{i}", [i], pages=pages)
+        side.lcs.append(lc)
+        side.given[lc.id] = list(pages or [])
+    return side
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("bool", kvo.InvalidTokens),
+        ("negative", kvo.InvalidTokens),
+        ("finished", kvo.InvalidTransition),
+        ("foreign", kvo.KVOffloadError),
+        ("length", kvo.KVOffloadError),
+    ],
+)
+@pytest.mark.parametrize("engine", [False, True])
+def test_bad_input_anywhere_in_a_batch_raises_before_anything_changes(
+    bad: str, error: type[Exception], engine: bool
+) -> None:
+    side = _batch_side(engine)
+    other = _batch_side(engine)
+    lcs = list(side.lcs)
+    tokens: list[Any] = [5, [6, 7], 8]
+    pages: list[Any] | None = (
+        [
+            side.pages_for(lc, lc.committed, 1 if isinstance(t, int) else len(t))
+            for lc, t in zip(lcs, tokens, strict=True)
+        ]
+        if engine
+        else None
+    )
+    if bad == "bool":
+        tokens[2] = True
+    elif bad == "negative":
+        tokens[2] = [1, -1]
+    elif bad == "finished":
+        lcs[2].finish()
+    elif bad == "foreign":
+        lcs[2] = other.lcs[0]
+    else:
+        tokens = tokens[:2]
+    before = side.snapshot()
+    with pytest.raises(error):
+        side.core.extend_batch(lcs, tokens, pages=pages)
+    if bad != "finished":
+        assert side.snapshot() == before
+
+
+def test_a_batch_needing_more_pages_than_are_free_changes_nothing() -> None:
+    """Owned mode: the whole batch's new pages are counted first."""
+    config = kvo.OffloadConfig(
+        page_size=2, stride=4, device_pages=4, host_pages=8, kv_shape=(1,), dtype="float32"
+    )
+    core = OffloadCore(
+        config,
+        device_pool=DevicePool.create(4, 2, (1,), "float32"),
+        host_pool=HostPool.new(8, (2, 1), "float32"),
+        accept=lambda t: None,
+    )
+    lcs = [core.admit(f"r{i}", [1, 2]) for i in range(3)]  # 3 of 4 pages
+    before = core.statistics()
+    with pytest.raises(kvo.PoolExhausted):
+        core.extend_batch(lcs, [3, 4, 5])  # each starts a page: 3 needed, 1 free
+    assert core.statistics() == before and [lc.committed for lc in lcs] == [2, 2, 2]
+
+
+def test_engine_pages_named_twice_in_a_batch_are_refused() -> None:
+    side = _batch_side(True)
+    lcs = side.lcs[:2]
+    with pytest.raises(kvo.PageError, match="twice"):
+        side.core.extend_batch(lcs, [[1, 2], [3, 4]], pages=[[30], [30]])
