@@ -74,6 +74,8 @@ class Transfer:
         n_tokens: int,
         submitted_at: float,
         stream: int = 0,
+        ready: Any = None,
+        owned: bool = False,
     ) -> None:
         self.id = TransferId(next(_transfer_ids))
         self.lifecycle = lifecycle
@@ -86,8 +88,8 @@ class Transfer:
         self.stream = stream
         # owned: made by a core from pages of this backend's own pools, in range by
         # construction; a backend checks only transfers without it (check_fits).
-        self.owned = False
-        self.ready: Any = None
+        self.owned = owned
+        self.ready: Any = ready
         self.completed_at: float | None = None
         self.error: BaseException | None = None
 

@@ -279,7 +279,10 @@ class OffloadCore:
         the quiet decode step). All or nothing: a bad token, a full device pool or a
         refused submission raises and changes nothing."""
         self._check(lc, _EXTEND)
-        toks = validate_tokens(tokens)
+        self._extend_valid(lc, validate_tokens(tokens), pages, ready)
+
+    def _extend_valid(self, lc: Lifecycle, toks: array[int], pages: Any, ready: Any) -> None:
+        """:meth:`extend` once the event is legal and the tokens are a checked array."""
         n = len(toks)
         committed = lc.committed + n
         ps = self.config.page_size
@@ -349,6 +352,29 @@ class OffloadCore:
         ps = self.config.page_size
         done = 0
         paged: list[Lifecycle] = []  # lifecycles that took a new page, in order
+        if not engine and pages is None:  # owned mode: the tightest loop
+            try:
+                for lc, t in zip(lifecycles, tokens, strict=True):  # lengths checked
+                    if type(t) is not int or lc._core is not self:
+                        break
+                    c = lc.committed + 1
+                    if c > lc._quiet:
+                        break
+                    if c > lc._cap:
+                        self.grow(lc, c)
+                        paged.append(lc)
+                    lc._tail.append(t)  # OverflowError for an id < 0 or >= 2**32: nothing appended
+                    lc.committed = c
+                    done += 1
+                else:
+                    return True
+            except (OverflowError, KVOffloadError):
+                if paged and done < len(lifecycles) and paged[-1] is lifecycles[done]:
+                    lc = paged.pop()  # the entry that failed took its page first
+                    self.device_pool.free([lc.device_pages.pop()])
+                    lc._cap -= ps
+            self._undo_quiet(lifecycles, done, paged)
+            return False
         try:
             for i, lc in enumerate(lifecycles):
                 t = tokens[i]
@@ -375,6 +401,13 @@ class OffloadCore:
                 return True
         except KVOffloadError:
             pass  # a page could not be had: undo, and let the checked path raise
+        self._undo_quiet(lifecycles, done, paged)
+        return False
+
+    def _undo_quiet(self, lifecycles: Sequence[Lifecycle], done: int, paged: list[Lifecycle]) -> None:
+        """Undo the first ``done`` entries :meth:`_extend_quiet` applied (in reverse),
+        with the pages they took."""
+        ps = self.config.page_size
         for lc in reversed(lifecycles[:done]):
             lc._tail.pop()
             lc.committed -= 1
@@ -383,7 +416,6 @@ class OffloadCore:
                 self.device_pool.free([lc.device_pages.pop()])
                 lc._cap -= ps
         assert not paged, "a page taken by an entry that was not applied"
-        return False
 
     def _extend_checked(
         self, lifecycles: Sequence[Lifecycle], tokens: Sequence[Any], pages: Any, ready: Any
@@ -396,17 +428,15 @@ class OffloadCore:
         grown: dict[int, int] = {}  # lifecycle id -> committed after its entries so far
         new_pages = 0
         claimed: set[int] = set()
+        arrays: list[array[int]] = []  # each entry's tokens, checked
         for i in range(n):
             lc, t = lifecycles[i], tokens[i]
             if lc._core is not self:
                 raise KVOffloadError(f"extend_batch: {lc!r} belongs to another manager")
             self._check(lc, _EXTEND)
-            if type(t) is int:
-                if not 0 <= t < _TOKEN_LIMIT:
-                    validate_tokens([t], f"tokens[{i}]")
-                k = 1
-            else:
-                k = len(validate_tokens(t, f"tokens[{i}]"))
+            toks = validate_tokens([t] if type(t) is int else t, f"tokens[{i}]")
+            arrays.append(toks)
+            k = len(toks)
             before = grown.get(lc.id, lc.committed)
             grown[lc.id] = before + k
             need = max(0, -(-(before + k) // ps) - max(len(lc.device_pages), -(-before // ps)))
@@ -438,9 +468,7 @@ class OffloadCore:
             raise PoolExhausted("device", new_pages, self.device_pool.free_pages)
         # Apply, each entry exactly as its own extend.
         for i in range(n):
-            t = tokens[i]
-            entry = [t] if type(t) is int else t
-            self.extend(lifecycles[i], entry, pages=pages[i] if pages is not None else None, ready=ready)
+            self._extend_valid(lifecycles[i], arrays[i], pages[i] if pages is not None else None, ready)
 
     def _requiet(self, lc: Lifecycle) -> None:
         """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle)."""
@@ -546,9 +574,9 @@ class OffloadCore:
         keys = [d.hex() for d in digests]
         now = self.clock()
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
-        t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
-        t.ready = ready
-        t.owned = True
+        t = Transfer(
+            lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream, ready, True
+        )
         try:
             self.accept(t)
         except BaseException:

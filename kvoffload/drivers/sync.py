@@ -107,6 +107,9 @@ class SyncOffloadManager(DriverBase):
             raise KVOffloadError("a SyncOffloadManager can be opened once")
         self._owner = self.core.owner = get_ident()
         self.core.refresh_observed()
+        # Copies start at the next poll(): nothing to schedule per job, so the core hands
+        # its jobs to the backend directly (one call less on the submit path).
+        self.core.accept = self.backend.submit
         self.backend.open(self.device_pool, self.host_pool)
         self.backend.set_waker(None)
         if self.storage is not None:
