@@ -50,6 +50,7 @@ async def _backend_copy(backend: EventBackend, chunks: list[tuple[list[int], lis
     t0 = time.perf_counter()
     for dev, host in chunks:
         backend.submit(Transfer(_Owner(), dev, host, [], 0, 0, 0.0))  # type: ignore[arg-type]
+    backend.launch()  # v2 movers: submit accepts, launch starts (a driver calls it on its next turn)
     n = 0
     while n < len(chunks):
         batch = await backend.wait_completions()
