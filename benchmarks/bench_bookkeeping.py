@@ -110,7 +110,7 @@ class Kvo:
         self.mgr.close()
 
 
-# --- baseline: SGLang-style dicts ----------------------------------------------------------
+# --- baseline: plain-Python dicts (a lower bound of this bookkeeping; not SGLang) -----------
 
 
 def sha_chain(prev: str | None, tokens: list[int]) -> list[str]:
@@ -187,7 +187,7 @@ class Dict:
         done = list(self.ops)
         latencies: list[float] = []
         t3 = time.perf_counter()
-        for op in done:  # as SGLang's check_offload_progress: pop, latency, release if last
+        for op in done:  # shaped like SGLang's check_offload_progress: pop, latency, release if last
             rid, host, start = self.ops.pop(op)
             st = self.reqs[rid]
             st["inflight"] -= 1
