@@ -40,6 +40,7 @@ import tracemalloc
 from typing import Any
 
 import structlog
+from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
@@ -349,6 +350,7 @@ def bench_memory(n: int = 100_000) -> float:
 
 
 def main() -> None:
+    print(describe())
     ours, base, ratio = interleaved()
     print(
         f"per-step bookkeeping, {N} live requests, {ROUNDS} rounds, kvoffload and the dict baseline "
