@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import structlog
+from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
@@ -122,7 +123,7 @@ class Kvo:
         self.mgr.close()
 
 
-# --- baseline: SGLang-style dicts ----------------------------------------------------------
+# --- baseline: plain-Python dicts (a lower bound of this bookkeeping; not SGLang) -----------
 
 
 def sha_chain(prev: str | None, tokens: list[int]) -> list[str]:
@@ -195,7 +196,7 @@ class Dict:
                 step(rid, tok)
         done = list(self.ops)
         latencies: list[float] = []
-        for op in done:  # as SGLang's check_offload_progress: pop, latency, release if last
+        for op in done:  # shaped like SGLang's check_offload_progress: pop, latency, release if last
             rid, host, start = self.ops.pop(op)
             st = self.reqs[rid]
             st["inflight"] -= 1
@@ -372,6 +373,7 @@ def bench_memory(n: int = 100_000) -> tuple[float, float]:
 
 
 def main() -> int:
+    print(describe())
     runs = interleaved()
     med = {k: statistics.median(v) for k, v in runs.items()}
 

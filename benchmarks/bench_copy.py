@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 import torch
+from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import EventBackend, Transfer
@@ -297,6 +298,7 @@ async def main(quick: bool) -> None:
         page_size=16, stride=16, device_pages=512, host_pages=512, kv_shape=(64, 128), dtype="float16"
     )
     threads = torch.get_num_threads()
+    print(describe())
     print(f"torch {torch.__version__}, {threads} intra-op threads, python {sys.version.split()[0]}")
     print(f"page = {config.page_size} tokens x {config.kv_shape} {config.dtype}; chunks of 32 pages")
     tp = await throughput(CpuBackend, config, 32, trials)

@@ -22,6 +22,8 @@ import tempfile
 import time
 from typing import Any
 
+from _machine import describe
+
 import kvoffload as kvo
 from kvoffload.testing import ManagerHost, SimBackend
 
@@ -153,6 +155,7 @@ def main() -> int:
     import platform
 
     py = platform.python_version()
+    print(describe())
     print(f"drivers, python {py}, {ROUNDS} rounds interleaved; ratios: median of per-round")
     s, a, ratio = asyncio.run(per_request_step())
     ok1 = ratio <= 1.1

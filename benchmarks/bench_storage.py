@@ -43,6 +43,7 @@ from pathlib import Path
 
 import anyio.to_thread
 import structlog
+from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import Storage
@@ -271,6 +272,7 @@ async def main() -> None:
             own.close()
 
     mb = n * page_bytes / 1e6
+    print(describe())
     print(
         f"storage writes: {n} pages x {args.page_kib} KiB ({mb:.1f} MB), {batch} pages per batch, "
         f"{args.rounds} rounds interleaved; files on {base}; python {sys.version.split()[0]}, "

@@ -7,11 +7,11 @@ available, else the ``sim`` backend (the loop completes copies) and the memory
 store — shows a progress bar, prints a summary and exits non-zero if the ledger
 check fails. ``graph`` draws the lifecycle from its declaration.
 
-Exit codes: 0 ok; 1 an invariant failed (or a completion reached the wrong
-lifecycle); 2 bad options, or a workload that could never run (a request that can
-never fit the device pool); 3 a missing optional dependency; 130 / 143 stopped by
-SIGINT / SIGTERM (FAILURES F27): the run stops promptly, removes its temporary store,
-prints one line and no traceback.
+Exit codes: 0 ok; 1 an invariant failed (or a completion did not carry the keys or
+KV bytes that the lifecycle it reached committed); 2 bad options, or a workload that
+could never run (a request that can never fit the device pool); 3 a missing optional
+dependency; 130 / 143 stopped by SIGINT / SIGTERM (FAILURES F27): the run stops
+promptly, removes its temporary store, prints one line and no traceback.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ behind ``kvoffload simulate``. One iteration is one decode step of the running b
 With the ``sim`` backend nothing completes by itself, so the loop also plays the copy
 engine: it completes each pending transfer after a random delay. Everything else —
 which lifecycle a completion reaches, when pages return — is the library's job.
+
+Given an :class:`~kvoffload.delivery_check.EngineRecord` (``engine=``), the loop also tells
+it every token it committed and writes their KV into the device pool before it yields,
+as a model's forward pass would (``kvoffload simulate`` checks each completion
+against it).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import anyio
 
+from kvoffload.delivery_check import EngineRecord
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
 from kvoffload.lifecycle.core import Lifecycle
@@ -68,6 +74,8 @@ class DecodeScheduler:
 
     ``on_release(n)`` is called each time ``n`` more requests were released (progress).
     ``check_every`` steps, ``mgr.check_invariants()`` runs (0: only at the end).
+    ``engine``: told every token committed (``commit``); its KV is written each step
+    (``write_kv``) before the loop yields.
     """
 
     def __init__(
@@ -78,8 +86,10 @@ class DecodeScheduler:
         *,
         on_release: Callable[[int], None] | None = None,
         check_every: int = 50,
+        engine: EngineRecord | None = None,
     ) -> None:
         self.mgr = mgr
+        self.engine = engine
         self.spec = spec
         self.on_release = on_release
         self.check_every = check_every
@@ -109,6 +119,8 @@ class DecodeScheduler:
                     # request that has just finished and whose copies are still running.
                     self._decode_step(tg)
                     self._admit_arrivals(now)
+                    if self.engine is not None:  # the step's KV, before any copy may read it
+                        self.engine.write_kv()
                     self._play_copy_engine()
                     self.result.steps += 1
                     if self.check_every and self.result.steps % self.check_every == 0:
@@ -143,6 +155,8 @@ class DecodeScheduler:
             except PoolExhausted:
                 break  # no device memory: it waits, and so does everything behind it
             self._queue.pop(0)
+            if self.engine is not None:
+                self.engine.commit(lc, prompt)
             self._running.append(_Running(lc, p, rng))
 
     def _rid_for(self, p: RequestPlan) -> str:
@@ -161,13 +175,16 @@ class DecodeScheduler:
                 self.result.aborted += 1
                 self._retire(tg, r.lc)
                 continue
+            token = r.rng.randrange(_VOCAB)
             try:
-                r.lc.extend([r.rng.randrange(_VOCAB)])
+                r.lc.extend([token])
             except PoolExhausted:  # out of device memory mid-decode: preempt it
                 r.lc.abort()
                 self.result.preempted += 1
                 self._retire(tg, r.lc)
                 continue
+            if self.engine is not None:
+                self.engine.commit(r.lc, [token])
             r.steps += 1
             if r.steps >= r.plan.output_len:
                 r.lc.finish()

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
+from kvoffload.pools import DevicePool
 from kvoffload.workload import WorkloadSpec
 
 __all__ = ["check_workload", "choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
@@ -110,8 +111,10 @@ async def simulate(
     False and ``report["ledger"]["error"]`` says why.
     """
     from kvoffload.backends import resolve_backend
+    from kvoffload.delivery_check import EngineRecord
     from kvoffload.drivers.asyncio import OffloadManager
     from kvoffload.errors import KVOffloadError
+    from kvoffload.keys import namespace_seed
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan
@@ -120,7 +123,7 @@ async def simulate(
     requests = plan(spec)
     monitor = RunMonitor()
     recorder = trace if isinstance(trace, TraceRecorder) else TraceRecorder() if trace is not None else None
-    faulty = FaultyBackend(resolve_backend(backend), spec.fail, spec.seed)
+    faulty = FaultyBackend(resolve_backend(backend), spec.fail, spec.seed, on_submit=monitor.submitted)
     error: str | None = None
     result = SchedulerResult()
     bar = _progress(len(requests)) if progress else None
@@ -132,8 +135,23 @@ async def simulate(
         if bar is not None:
             bar[0].start()
         async with mgr:
+            # The engine writes KV where the pools are CPU tensors; on a GPU only keys are
+            # checked (the copy waits for the stream current at extend, and this engine
+            # writes a step's KV after its extends).
+            pool = mgr.device_pool
+            on_cpu = isinstance(pool, DevicePool) and pool.tensor.device.type == "cpu"
+            monitor.engine = EngineRecord(
+                config.page_size,
+                seed=namespace_seed(extra_key=config.namespace),
+                device=pool if on_cpu and isinstance(pool, DevicePool) else None,
+                host=mgr.host_pool if on_cpu else None,
+            )
             sched = DecodeScheduler(
-                mgr, requests, spec, on_release=(lambda n: bar[0].advance(bar[1], n)) if bar else None
+                mgr,
+                requests,
+                spec,
+                on_release=(lambda n: bar[0].advance(bar[1], n)) if bar else None,
+                engine=monitor.engine,
             )
             try:
                 await sched.run()
@@ -151,8 +169,11 @@ async def simulate(
             mgr.check_invariants()
         except KVOffloadError as exc:
             error = f"{type(exc).__name__}: {exc}"
-    if error is None and monitor.misdelivered:
-        error = f"{monitor.misdelivered} completions reached a lifecycle that did not submit them"
+    if error is None and monitor.mismatched:
+        error = (
+            f"{monitor.mismatched} completion(s) do not carry what the lifecycle they reached "
+            f"committed; the first: {monitor.first_mismatch}"
+        )
     if error is None and (stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used):
         error = (
             f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
@@ -269,9 +290,11 @@ def _report(
             "mb_stored": round(m.bytes_stored / 1e6, 2),
         },
         "latency_ms": {"transfer": ms, "release": rel},
-        "late_completions": {
-            "delivered_to_own_lifecycle": m.late_completions,
-            "misdelivered": m.misdelivered,
+        "deliveries": {
+            "checked": m.checked,
+            "bytes_checked": m.bytes_checked,
+            "mismatched": m.mismatched,
+            "late_while_id_reused": m.late_completions,
         },
         "watchdog": {"stuck_reports": stats.stuck_reports},
         "ledger": {"ok": error is None, "error": error, "checks": r.invariant_checks},
@@ -313,11 +336,12 @@ def print_summary(report: dict[str, Any], console: Any = None) -> None:
     for name, label in (("transfer", "copy latency"), ("release", "finish→released")):
         lat = report["latency_ms"][name]
         t.add_row(label, "  ".join(f"{k} {v:.2f} ms" for k, v in lat.items()))
-    lc = report["late_completions"]
+    d = report["deliveries"]
     t.add_row(
-        "late completions",
-        f"{lc['delivered_to_own_lifecycle']} delivered to their own lifecycle while the id was reused; "
-        f"{lc['misdelivered']} misdelivered",
+        "deliveries",
+        f"{d['checked']} completions checked against what the lifecycle they reached committed "
+        f"(keys; KV bytes of {d['bytes_checked']}): {d['mismatched']} mismatched; "
+        f"{d['late_while_id_reused']} arrived while their request id was reused",
     )
     t.add_row("watchdog", f"{report['watchdog']['stuck_reports']} stuck reports")
     led = report["ledger"]

@@ -7,8 +7,10 @@ id of a request that is still finishing, when it is aborted). The scheduler
 
 :class:`FaultyBackend` wraps any event backend and turns a seeded share of its
 completions into copy failures, so failures are injected the same way on the ``sim``
-and ``cpu`` backends. :class:`RunMonitor` is the listener that gathers the figures
-of the summary (latencies, late completions, storage writes).
+and ``cpu`` backends. :class:`RunMonitor` is the listener that gathers the figures of
+the summary (latencies, late completions, storage writes) and checks every delivered
+completion against what the simulated engine committed
+(:class:`~kvoffload.delivery_check.EngineRecord`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvoffload.errors import BackendError, ConfigError
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
+    from kvoffload.delivery_check import EngineRecord
     from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = ["FaultyBackend", "RequestPlan", "RunMonitor", "WorkloadSpec", "percentiles", "plan"]
@@ -126,7 +129,14 @@ class FaultyBackend(EventBackend):
     manager must handle like any other failed copy (host pages back, outcome FAILED).
     """
 
-    def __init__(self, inner: EventBackend, rate: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        inner: EventBackend,
+        rate: float,
+        seed: int = 0,
+        *,
+        on_submit: Callable[[Transfer], None] | None = None,
+    ) -> None:
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # report the wrapped backend's name
         self.device_type = inner.device_type  # type: ignore[misc]
@@ -134,6 +144,8 @@ class FaultyBackend(EventBackend):
         self.rate = rate
         self._rng = random.Random(seed ^ 0x5EED)
         self.injected = 0
+        # on_submit(t): told of every transfer the wrapped backend accepted.
+        self.on_submit = on_submit
 
     def create_pools(self, config: OffloadConfig, host_buffer: Any = None) -> tuple[DevicePool, HostPool]:
         return self.inner.create_pools(config, host_buffer)
@@ -153,7 +165,9 @@ class FaultyBackend(EventBackend):
         self.inner.set_waker(waker)
 
     def submit(self, transfer: Transfer) -> None:
-        self.inner.submit(transfer)
+        self.inner.submit(transfer)  # a refusal raises here: nothing to tell
+        if self.on_submit is not None:
+            self.on_submit(transfer)
 
     def launch(self) -> None:
         self.inner.launch()
@@ -207,23 +221,44 @@ def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict
 
 @dataclass
 class RunMonitor:
-    """A manager listener gathering what the summary reports.
+    """A manager listener gathering what the summary reports, and the check of every
+    delivered completion.
 
-    A *late completion* is one delivered to a lifecycle whose rid was, at that moment,
-    also the rid of another live lifecycle (a reused id). It must reach the lifecycle
-    that submitted the copy: ``misdelivered`` counts the ones that did not (always 0
-    unless the manager is broken).
+    With an ``engine`` record, each completion (copied, failed or discarded) is checked
+    against what the simulated engine committed to the lifecycle the completion
+    reached (the lifecycle its event names): its keys, and for a copied or discarded
+    chunk its host bytes when the engine writes KV
+    (:meth:`~kvoffload.delivery_check.EngineRecord.check`).
+    ``mismatched`` counts the completions that fail the check: one delivered to a
+    lifecycle that did not issue it (F1: its KV names another lifecycle, and its keys
+    differ unless both committed the same tokens), keys computed from the wrong chain
+    (F11), or a copy that read a page before it was written or after it was freed and
+    reused (F19, F4). ``checked`` and ``bytes_checked`` count what was checked. The
+    manager is asked for nothing: the transfers come from the backend
+    (:meth:`submitted`, given to :class:`FaultyBackend` as ``on_submit``).
+
+    A *late completion* is one delivered while its lifecycle's request id was also the
+    id of another live lifecycle (a reused id): the case F1 is about.
     """
 
+    engine: EngineRecord | None = None
     transfer_latency_s: list[float] = field(default_factory=list)
     late_completions: int = 0
-    misdelivered: int = 0
+    checked: int = 0
+    bytes_checked: int = 0
+    mismatched: int = 0
+    first_mismatch: str | None = None
     stuck_reports: int = 0
     bytes_copied: int = 0
     bytes_stored: int = 0
-    # _live_by_rid: rid -> ids of its live lifecycles. _submitter: transfer -> lifecycle.
+    # _live_by_rid: rid -> ids of its live lifecycles.
     _live_by_rid: dict[Any, set[int]] = field(default_factory=dict)
-    _submitter: dict[int, int] = field(default_factory=dict)
+    # _transfers: transfers the backend accepted and not yet delivered, by id.
+    _transfers: dict[int, Transfer] = field(default_factory=dict)
+
+    def submitted(self, t: Transfer) -> None:
+        """The backend accepted ``t`` (the copy engine's view, not the manager's)."""
+        self._transfers[t.id] = t
 
     def __call__(self, name: str, f: dict[str, Any]) -> None:
         if name == "lifecycle.admitted":
@@ -234,12 +269,10 @@ class RunMonitor:
                 ids.discard(f["lifecycle"])
                 if not ids:
                     del self._live_by_rid[f["rid"]]
-        elif name == "transfer.submitted":
-            self._submitter[f["transfer"]] = f["lifecycle"]
+            if self.engine is not None:
+                self.engine.forget(f["lifecycle"])
         elif name in ("transfer.completed", "transfer.failed", "transfer.discarded"):
-            lid = f["lifecycle"]
-            if self._submitter.pop(f["transfer"], None) != lid:
-                self.misdelivered += 1
+            self._delivered(name, f)
             if len(self._live_by_rid.get(f["rid"], ())) > 1:
                 self.late_completions += 1
             if name == "transfer.completed":
@@ -249,3 +282,20 @@ class RunMonitor:
             self.bytes_stored += f.get("bytes", 0)
         elif name == "lifecycle.stuck":
             self.stuck_reports += 1
+
+    def _delivered(self, name: str, f: dict[str, Any]) -> None:
+        t = self._transfers.pop(f["transfer"], None)
+        engine = self.engine
+        if engine is None:
+            return
+        with_bytes = name != "transfer.failed" and engine.checks_bytes
+        if t is None:
+            problem: str | None = f"transfer {f['transfer']} was delivered but the backend never accepted it"
+        else:
+            problem = engine.check(t, f["lifecycle"], with_bytes=with_bytes)
+        self.checked += 1
+        self.bytes_checked += with_bytes
+        if problem is not None:
+            self.mismatched += 1
+            if self.first_mismatch is None:
+                self.first_mismatch = problem

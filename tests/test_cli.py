@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,14 @@ import pytest
 
 import kvoffload as kvo
 from kvoffload import graph
+from kvoffload.abc import Completion, Transfer
 from kvoffload.backends import BACKENDS
 from kvoffload.cli import main
+from kvoffload.core.offload import OffloadCore
+from kvoffload.delivery_check import EngineRecord
+from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.trace import check_chrome_trace
-from kvoffload.workload import RunMonitor, WorkloadSpec, plan
+from kvoffload.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
 
 # A small, quick workload (well under a second).
 SMALL = [
@@ -25,6 +30,11 @@ SMALL = [
     "--stride", "8", "--step-ms", "0.2", "--copy-delay-ms", "1", "--arrival-rate", "2000",
     "--no-progress",
 ]  # fmt: skip
+
+
+#: Every arrival reuses a finishing request's id, and copies are slow (sim backend).
+REUSED = [*SMALL, "--backend", "sim", "--reuse", "1", "--copy-delay-ms", "20", "--requests", "60"]
+REUSED += ["--arrival-rate", "1000"]
 
 
 def _has_gpu() -> bool:
@@ -56,7 +66,10 @@ def test_simulate_reports_figures_that_add_up(tmp_path: Path, capsys: pytest.Cap
     assert p["submitted"] == p["offloaded"] + p["failed"] + p["discarded"]
     assert p["stored"] + p["store_failed"] + p["not_stored"] == p["offloaded"]
     assert report["ledger"] == {"ok": True, "error": None, "checks": report["ledger"]["checks"]}
-    assert report["late_completions"]["misdelivered"] == 0
+    d = report["deliveries"]  # every completion was checked; its bytes too unless the copy failed
+    assert d["checked"] == report["statistics"]["completions_delivered"]
+    assert d["bytes_checked"] == d["checked"] - report["statistics"]["chunks_failed"] > 0
+    assert d["mismatched"] == 0
     assert report["setup"]["backend"] == ("cpu" if "cpu" in BACKENDS else "sim")
     assert set(report["latency_ms"]["transfer"]) == {"p50", "p90", "p99", "max"}
     assert "ledger" in out and "OK" in out and f"{q['admitted']} admitted" in out
@@ -67,15 +80,66 @@ def test_reused_ids_get_late_completions_delivered_to_their_own_lifecycle(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With every arrival reusing a finishing id and slow copies, some completions
-    arrive while their rid is shared, and each reaches the lifecycle that submitted it."""
-    argv = [*SMALL, "--backend", "sim", "--reuse", "1", "--copy-delay-ms", "20", "--requests", "60"]
-    argv += ["--arrival-rate", "1000"]
-    code, out, _ = run([*argv, "--json", str(tmp_path / "s.json")], capsys)
+    arrive while their rid is shared, and each carries the keys and KV of the lifecycle
+    it reached (test_a_misrouted_completion_fails_the_run: this check can fail)."""
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
     assert code == 0, out
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["requests"]["reused_ids"] > 0
-    assert report["late_completions"]["delivered_to_own_lifecycle"] > 0
-    assert report["late_completions"]["misdelivered"] == 0
+    assert report["deliveries"]["late_while_id_reused"] > 0
+    assert report["deliveries"]["mismatched"] == 0
+
+
+class SwapsSharedIdsInABatch(OffloadCore):
+    """A seeded misrouting (F1): two completions of one batch whose lifecycles share a
+    request id are delivered to each other's lifecycle. Each lifecycle still receives
+    as many completions as it issued, after its copies ended: every count, state,
+    ledger and leak check still holds. Only what the completions carry is wrong."""
+
+    def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
+        batch = list(batch)
+        for i, (t, _) in enumerate(batch):
+            for u, _ in batch[i + 1 :]:
+                if u.lifecycle is not t.lifecycle and u.lifecycle.rid == t.lifecycle.rid:
+                    t.lifecycle, u.lifecycle = u.lifecycle, t.lifecycle
+                    break
+        super()._deliver_all(batch, now)
+
+
+def test_a_misrouted_completion_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a core that swaps completions between lifecycles sharing an id, the run
+    counts mismatched completions and exits 1, while the ledger and leak checks pass
+    (the error is the delivery check's, which runs after them)."""
+    monkeypatch.setattr(OffloadManager, "_core_class", SwapsSharedIdsInABatch)
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
+    report = json.loads((tmp_path / "s.json").read_text())
+    mismatched = report["deliveries"]["mismatched"]
+    assert code == 1 and mismatched > 0, report["deliveries"]
+    assert report["ledger"]["error"].startswith(f"{mismatched} completion(s) do not carry"), report["ledger"]
+    assert "not the chain over its tokens" in report["ledger"]["error"]
+    assert "FAILED" in out and f"{mismatched} mismatched" in out
+
+
+def test_a_copy_of_the_wrong_bytes_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A copy engine that copies a chunk's pages in the wrong order moves the right
+    lifecycle's KV to the wrong places: the keys are right, the bytes check fires."""
+    from kvoffload.testing import SimBackend
+
+    copy = SimBackend.complete
+
+    def reversed_pages(self: SimBackend, transfer: Transfer) -> None:
+        transfer.device_pages = transfer.device_pages[::-1]
+        copy(self, transfer)
+
+    monkeypatch.setattr(SimBackend, "complete", reversed_pages)
+    code, _, _ = run([*SMALL, "--backend", "sim", "--json", str(tmp_path / "s.json")], capsys)
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert code == 1 and report["deliveries"]["mismatched"] > 0, report["deliveries"]
+    assert "do not hold the engine's KV" in report["ledger"]["error"]
 
 
 def test_a_failed_invariant_makes_the_run_exit_1(
@@ -181,30 +245,46 @@ def test_the_workload_plan_is_seeded() -> None:
 
 
 @pytest.mark.asyncio
-async def test_the_monitor_counts_a_late_completion_on_the_readme_story() -> None:
+async def test_the_monitor_checks_the_late_completion_of_the_readme_story() -> None:
     """The old r1's completion arrives while a new r1 is live: one late completion,
-    delivered to the old lifecycle (the one that submitted it)."""
+    checked against what the old lifecycle committed. Both requests committed the same
+    tokens, so only the KV bytes (which name the lifecycle) tell them apart: checked
+    as a delivery to the new one, the same transfer is a mismatch."""
     from kvoffload.testing import SimBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=64, host_pages=64, drain_timeout_s=5)
     backend = SimBackend()
     monitor = RunMonitor()
     seen: list[tuple[str, dict[str, Any]]] = []
-    async with kvo.OffloadManager(config, backend=backend) as mgr:
+    faulty = FaultyBackend(backend, 0.0, on_submit=monitor.submitted)
+    async with kvo.OffloadManager(config, backend=faulty) as mgr:
+        engine = monitor.engine = EngineRecord(4, device=mgr.device_pool, host=mgr.host_pool)
         mgr.add_listener(monitor)
         mgr.add_listener(lambda n, f: seen.append((n, dict(f))))
-        old = mgr.admit("r1", [0, 1, 2, 3])
-        old.extend([4, 5, 6, 7, 8])
+        lcs = []
+        for _ in range(2):
+            lc = mgr.admit("r1", [0, 1, 2, 3])
+            engine.commit(lc, [0, 1, 2, 3])
+            lc.extend([4, 5, 6, 7, 8])
+            engine.commit(lc, [4, 5, 6, 7, 8])
+            engine.write_kv()  # before the driver's next turn: then a copy may read
+            lcs.append(lc)
+        old, new = lcs
         old.finish()
-        new = mgr.admit("r1", [0, 1, 2, 3])
-        new.extend([4, 5, 6, 7, 8])
-        backend.complete(backend.pending[0])
+        late = backend.pending[0]
+        assert late.lifecycle is old
+        backend.complete(late)
         await old.wait_released()
-        assert monitor.late_completions == 1 and monitor.misdelivered == 0
+        assert monitor.late_completions == 1 and monitor.checked == monitor.bytes_checked == 1
+        assert monitor.mismatched == 0
+        problem = engine.check(late, new.id, with_bytes=True)
+        assert problem is not None and "do not hold the engine's KV" in problem
+        assert engine.check(late, new.id, with_bytes=False) is None  # same tokens, same keys
         new.finish()
         backend.complete_all()
         await mgr.settle()
     assert monitor.late_completions == 1  # the new one's completion: its rid was no longer shared
+    assert monitor.checked == 2 and monitor.mismatched == 0
     (done,) = [f for n, f in seen if n == "transfer.completed" and f["lifecycle"] == old.id]
     assert done["rid"] == "r1"
 

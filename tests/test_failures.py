@@ -1,8 +1,8 @@
 """FAILURES.md, one named test per row: each reproduces the scenario on the SimBackend
 and asserts what kvoffload must show, with the ledger checked after every step.
 
-(F13, F14, F15, F17 and F18 are covered by the backend, storage, property and
-watchdog suites.)
+(F13, F15, F17 and F18 are covered by the backend, storage, property and watchdog
+suites.)
 """
 
 from __future__ import annotations
@@ -715,6 +715,70 @@ async def test_f12_remainder_larger_than_one_chunk_is_not_lost_silently(
             assert t2.keys == kvo.chain_keys(None, toks(0, 16), 4)[3:]
             assert b.submitted == 16
         await complete_everything(mgr, backend)
+        assert b.state is RELEASED
+
+
+# --- F14 -----------------------------------------------------------------------------
+
+
+async def test_f14_every_inflight_transfer_is_tracked_until_it_completes(backend: SimBackend) -> None:
+    """F14: "every in-flight transfer is tracked until it completes": one request id
+    with three stores in flight, the latest completed first (the one a per-id table
+    would have kept). The earlier two are still counted and still hold their device
+    pages: the request stays FINISHING, a new request with the same id gets other
+    pages, and each store gets the bytes that were there at submit."""
+    storage = MemoryStorage()
+    config = small_config(device_pages=8, host_pages=8)
+    async with kvo.OffloadManager(config, backend=backend, storage=storage) as mgr:
+        a = mgr.admit("r", prompt=toks(0, 4))
+        for start in (4, 8, 12):
+            a.extend(toks(start, start + 4))  # a stride each: one store per extend
+            mgr.check_invariants()
+        t1, t2, t3 = backend.pending
+        assert [t.lifecycle for t in (t1, t2, t3)] == [a, a, a] and a.inflight == 3
+        dev = mgr.device_pool.tensor
+        for i, p in enumerate(a.device_pages):
+            dev[p].fill_(i + 1)  # a's model wrote its KV
+        original = {
+            k: page_bytes_of(dev, p)
+            for t in (t1, t2, t3)
+            for k, p in zip(t.keys, t.device_pages, strict=True)
+        }
+        a.finish()
+        mgr.check_invariants()
+        pages = list(a.device_pages)
+
+        backend.complete(t3)  # only the latest store has completed
+        await mgr.settle()
+        mgr.check_invariants()
+        assert a.state is FINISHING and a.inflight == 2 and a.outcome is None
+        assert a.device_pages == pages and all(allocated(mgr.device_pool, pages))
+        s = mgr.statistics()
+        assert (s.chunks_inflight, s.pages_inflight, s.device_pages_used) == (2, 2, 4)
+
+        # The same id again: it gets the four other pages; none of a's is free.
+        b = mgr.admit("r", prompt=toks(100, 116))
+        assert set(b.device_pages).isdisjoint(pages) and mgr.lifecycles("r") == [a, b]
+        before = mgr.statistics()
+        with pytest.raises(kvo.PoolExhausted):
+            mgr.admit("c", prompt=toks(0, 4))
+        unchanged(mgr, before)
+        for p in b.device_pages:
+            dev[p].fill_(99)  # b's model writes its KV
+
+        backend.complete(t1)
+        await mgr.settle()
+        mgr.check_invariants()
+        assert a.state is FINISHING and a.inflight == 1 and all(allocated(mgr.device_pool, pages))
+        backend.complete(t2)
+        await released(a)
+        await mgr.settle()
+        mgr.check_invariants()
+        assert a.outcome is kvo.Outcome.COMPLETED and allocated(mgr.device_pool, pages) == [False] * 4
+        assert {k: storage.pages[k] for k in original} == original
+        assert mgr.statistics().pages_stored == 3
+        b.finish()
+        mgr.check_invariants()
         assert b.state is RELEASED
 
 

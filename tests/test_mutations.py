@@ -5,6 +5,9 @@ Each mutant is the smallest faithful restatement of what went wrong in the servi
 systems (see the F-number); the core suite (kvoffload.testing's programs on
 CoreLifecycleMachine) runs it with the CI budget and must raise. For F1 the suite
 must also shrink the failure to a schedule of at most 8 steps, which it prints.
+
+Rows covered: F1, F3, F4, F5, F6, F7, F8, F9, F11, F12, F20. The shrunk schedule of
+each is a plain test in tests/test_regressions.py.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from hypothesis.errors import HypothesisException
 from kvoffload.abc import Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
-from kvoffload.keys import chain_keys_packed, pack_tokens
+from kvoffload.keys import chain_keys_packed, pack_tokens, page_run_digests
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.lifecycle.table import EVENT_INDEX
@@ -101,6 +104,61 @@ class KeysAtCompletion(OffloadCore):
         super()._deliver_one(t, error, now)
 
 
+class FreedAtFinish(OffloadCore):
+    """F4: a request that finishes with copies in flight gives its device pages back
+    at once; the next request gets them while the copies still read them."""
+
+    def finish(self, lc: Lifecycle) -> list[Lifecycle]:
+        released = super().finish(lc)
+        if not lc.released and lc.device_pages:  # FINISHING: copies still read the pages
+            self.device_pool.free(lc.device_pages)
+            lc.device_pages = []
+        return released
+
+
+class RetractionFreesBehindTheBarrier(OffloadCore):
+    """F6: the retraction (preemption) path frees a running request's device pages
+    itself, at once, instead of waiting at the barrier for its in-flight copies."""
+
+    def abort(self, lc: Lifecycle) -> list[Lifecycle]:
+        if lc.inflight and lc.device_pages:
+            self.device_pool.free(lc.device_pages)
+            lc.device_pages = []
+        return super().abort(lc)
+
+
+class AbortLeaksInflight(OffloadCore):
+    """F7: after an abort, the completion of a chunk that was in flight finds nothing
+    to clean up and is dropped: its host pages, the device pages and the request's
+    slot are never returned."""
+
+    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        if t.lifecycle.aborted:
+            del self.inflight[t.id]
+            return
+        super()._deliver_one(t, error, now)
+
+
+class SkippedWhenHostFull(OffloadCore):
+    """F9: a chunk that finds the host pool full is skipped silently: not counted,
+    never retried; the request goes on (its chain too) as if the pages had been sent."""
+
+    def _host_full(self, lc: Lifecycle, npages: int) -> None:
+        n = npages * self.config.page_size
+        lc._chain = page_run_digests(lc._chain, lc._tail[:n], self.config.page_size)[-1]
+        del lc._tail[:n]
+        lc.submitted += n
+        lc.due = lc.submitted + self.config.stride
+
+
+class NoFlushAtFinish(OffloadCore):
+    """F12: finish sends nothing: the whole pages committed since the last stride
+    are never persisted."""
+
+    def _flush(self, lc: Lifecycle, refusal_raises: bool = False) -> None:
+        return
+
+
 class RefusalEscapes(OffloadCore):
     """F20: the copy engine refuses a deferred chunk's retry, and the refusal escapes
     the background step that retried it (kvoffload v0.1: the delivery task died, the
@@ -158,17 +216,34 @@ def _schedules(error: BaseException) -> list[list[str]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "mutant",
-    [FreedMidDecode, FirstCompletionReleases, ReleasedTwice, KeysAtCompletion, RefusalEscapes],
-    ids=lambda m: m.__name__,
-)
+#: Each mutant, and what the suite's first failure on it must say (None: any check or
+#: error of the core; the older mutants predate the match).
+CAUGHT_BY: dict[type[OffloadCore], str | None] = {
+    FreedMidDecode: None,
+    FreedAtFinish: r"device page \d+ freed while .* reads it",
+    FirstCompletionReleases: None,
+    RetractionFreesBehindTheBarrier: r"device page \d+ freed while .* reads it",
+    AbortLeaksInflight: r"in flight: 0 transfers, counter 1",
+    ReleasedTwice: None,
+    SkippedWhenHostFull: r"neither sent, nor waiting for host pages, nor counted as dropped",
+    KeysAtCompletion: None,
+    NoFlushAtFinish: r"neither sent, nor waiting for host pages, nor counted as dropped",
+    RefusalEscapes: None,
+}
+
+
+@pytest.mark.parametrize("mutant", list(CAUGHT_BY), ids=lambda m: m.__name__)
 def test_suite_catches_the_catalogued_bug(mutant: type[OffloadCore]) -> None:
-    """The suite fails on each mutant within the CI budget (generate phase only)."""
+    """The suite fails on each mutant within the CI budget (generate phase only), for
+    the reason the mutant's bug should be caught by where one is named."""
     error = _run(mutant, settings(CI, phases=[Phase.explicit, Phase.generate]))
     # The suite failed: a check, or the core's own error (PageError, InvalidTransition,
     # a refusal that escaped) surfacing from a step; not hypothesis giving up.
     assert not isinstance(error, HypothesisException), repr(error)
+    pattern = CAUGHT_BY[mutant]
+    if pattern is not None:
+        errors = list(error.exceptions) if isinstance(error, BaseExceptionGroup) else [error]
+        assert any(re.search(pattern, str(e)) for e in errors), repr(error)
 
 
 def test_suite_catches_and_shrinks_routing_by_request_id(capsys: pytest.CaptureFixture[str]) -> None:

@@ -343,10 +343,12 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(slot=_slots)
     def finish(self, slot: int) -> None:
         lc = self._newest(slot)
+        dropped = self.core.counters.pages_dropped
         if lc is not None and self._expect(
             lc, lc.state in (_P, _O), lambda: self.finish_request(lc), "finish"
         ):
             self.observer.on_end(lc, aborted=False)
+            self.observer.on_finished(lc, dropped_before=dropped)
 
     @precondition(lambda self: not self.closed)
     @rule(slot=_slots)
@@ -533,8 +535,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert backend is not None
         for lc in self.mgr.lifecycles():
             if lc.state in (_P, _O):
+                dropped = self.core.counters.pages_dropped
                 self.run(lc.finish)
                 self.observer.on_end(lc, aborted=False)
+                self.observer.on_finished(lc, dropped_before=dropped)
         for _ in range(10_000):
             if not backend.pending and not self.core.deferred:
                 break

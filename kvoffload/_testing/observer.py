@@ -14,6 +14,10 @@ model and derives from it, independently of the compiled table, what must hold:
   chain over the tokens that lifecycle committed (F11), and the bytes every copy moved
   are the KV written for those tokens (F3/F4; when ``check_bytes``);
 - every device free happens once and never under a pending copy (F3/F4/F8);
+- a lifecycle's chunks are contiguous: each starts where the last one it sent ended (a
+  skipped page would be a hole in its chain; F9);
+- ``finish`` sends every whole page not yet sent, unless that call counted a drop (a
+  full host pool, a refusal; F9) or the rest waits for host pages (F12);
 - outcomes: ABORTED when aborted, FAILED when one of its copies failed, else COMPLETED
   (a refused tail may also make it FAILED);
 - a dropped, released lifecycle is garbage (F2).
@@ -271,6 +275,19 @@ class Observer:
         m.aborted = m.aborted or aborted
         self.seen.add("abort" if aborted else "finish")
 
+    def on_finished(self, lc: Lifecycle, *, dropped_before: int) -> None:
+        """``lc.finish()`` was accepted; ``pages_dropped`` was ``dropped_before`` when it
+        was called. The whole pages not yet sent went out (F12), or the call counted a
+        drop (F9), or they wait for host pages: never a silent skip."""
+        assert self.core is not None
+        m = self.lcs[lc.id]
+        whole = len(m.tokens) - len(m.tokens) % self.page_size
+        if m.sent < whole and not lc.deferred and self.core.counters.pages_dropped == dropped_before:
+            self.violations.append(
+                f"{lc!r} finished with tokens {m.sent}..{whole} (whole pages) neither sent, nor "
+                "waiting for host pages, nor counted as dropped (F12)"
+            )
+
     def on_released(self, lc: Lifecycle) -> None:
         """The driver (or core) said ``lc`` was released: once, and only at RELEASED."""
         m = self.lcs.get(lc.id)
@@ -344,6 +361,11 @@ class Observer:
         self.transfers[t.id] = _Submitted(t, t.lifecycle.id, list(t.keys), list(t.device_pages))
         m = self.lcs.get(t.lifecycle.id)
         if m is not None:
+            if t.first_token != m.sent:
+                self.violations.append(
+                    f"{t!r} starts at token {t.first_token}, but {t.lifecycle!r} had sent up to "
+                    f"{m.sent}: a hole in its chain (F9)"
+                )
             m.sent = max(m.sent, t.first_token + t.n_tokens)
         if not set(t.device_pages) <= set(t.lifecycle.device_pages):
             self.violations.append(f"{t!r} was submitted reading device pages its lifecycle does not hold")

@@ -26,7 +26,8 @@ host-function callbacks or ``to_thread(event.synchronize)`` per event.
 
 Importing this module does not import torch; the stream and event logic
 (:class:`EventStream`, :func:`poll_completions`) only needs objects with ``query()`` and
-``synchronize()``, so it is tested on the CPU with fake events.
+``synchronize()``, so it is tested on the CPU with fake events. The backend itself has
+not yet run on a GPU (docs/backends.md): treat it as untested on real hardware.
 """
 
 from __future__ import annotations

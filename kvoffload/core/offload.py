@@ -1,6 +1,6 @@
 """OffloadCore: the bookkeeping of every lifecycle, pure, synchronous and deterministic.
 
-The core is what the property suite proves; the drivers above it only add waiting.
+The core is what the property suite checks; the drivers above it only add waiting.
 It imports no anyio, starts no thread, does no I/O and never calls a mover. In:
 calls (``admit``, ``extend``, ``finish``, ``abort``), completions (``complete``), the
 clock (``tick``) and finished storage writes (``write_done``). Out: copy jobs, handed
@@ -10,8 +10,9 @@ lifecycles each call released (its return value).
 
 Every method is a plain ``def`` that runs to completion. Each event goes through the
 compiled table (:mod:`kvoffload.lifecycle.table`); no transition lives only in an
-``if`` chain. The rules of ARCHITECTURE.md hold after every call, and
-:meth:`check_invariants` proves it (``kvoffload.core.ledger``).
+``if`` chain. The rules of ARCHITECTURE.md are meant to hold after every call;
+:meth:`check_invariants` checks the ledger's part of them (``kvoffload.core.ledger``),
+and the property suite checks them all after every step of the schedules it draws.
 """
 
 from __future__ import annotations
