@@ -344,17 +344,11 @@ def test_shrunk_schedule_fails_on_its_mutant(bug: str) -> None:
                 state.teardown()
 
 
-# --- found while writing the F9/F12 mutants: a bug of the core, not fixed here ---------
+# --- found while writing the F9/F12 mutants: completions_delivered counted the change in
+# copies in flight, so a delivery whose host pages let deferred chunks go out undercounted
+# (two such made the counter negative and check_invariants failed a correct run) -------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=kvo.InvariantViolation,
-    reason="core bug, open: OffloadCore.complete() counts completions_delivered as chunks in "
-    "flight before the batch minus after it, so a delivery whose host pages let deferred chunks "
-    "go out undercounts, and two such submissions make the counter negative (check_invariants "
-    "then fails a correct run). This change may not touch kvoffload/core/.",
-)
 @pytest.mark.parametrize("machine", [LifecycleMachine, SyncLifecycleMachine, CoreLifecycleMachine])
 def test_completions_delivered_counts_what_was_delivered(machine: type[LifecycleMachine]) -> None:
     """Two completions under the "wait" policy, each returning host pages that deferred
