@@ -18,6 +18,7 @@ from kvoffload.errors import (
     PageError,
     PoolExhausted,
     StorageError,
+    UnsupportedKVPool,
     WrongThread,
 )
 from kvoffload.keys import chain_keys, namespace_seed, page_key
@@ -49,6 +50,7 @@ __all__ = [
     "StorageError",
     "SyncOffloadManager",
     "Transfer",
+    "UnsupportedKVPool",
     "WrongThread",
     "__version__",
     "chain_keys",

@@ -18,6 +18,7 @@ __all__ = [
     "PageError",
     "PoolExhausted",
     "StorageError",
+    "UnsupportedKVPool",
     "WrongThread",
 ]
 
@@ -61,6 +62,12 @@ class PoolExhausted(KVOffloadError):
         self.wanted = wanted
         self.free = free
         super().__init__(f"{pool} pool exhausted: {wanted} page(s) wanted, {free} free")
+
+
+class UnsupportedKVPool(ConfigError):
+    """An engine's KV pool that an integration cannot offload yet (a sliding-window or
+    hybrid pool, a device other than CUDA or CPU): raised at construction, naming the
+    pool and what is supported."""
 
 
 class PageError(KVOffloadError):

@@ -365,6 +365,25 @@ class DriverBase:
 
         return remove
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the manager is open (entered and not yet closed)."""
+        return self._open
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Copies submitted and not yet delivered: while non-zero, some device page is
+        being read (the engine must not move or free a lifecycle's pages). O(1)."""
+        return len(self.core.inflight)
+
+    @property
+    def outstanding(self) -> int:
+        """Work that only :meth:`poll` (or the event loop) moves on: copies in flight,
+        chunks deferred for host pages, storage writes not yet collected. A scheduler
+        that sleeps when idle must not sleep while this is non-zero. O(1)."""
+        core = self.core
+        return len(core.inflight) + len(core.deferred) + len(core.writes)
+
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""
         self._check_owner("statistics()")

@@ -1,0 +1,586 @@
+"""SGLang's ``DecodeKVCacheOffloadManager`` on kvoffload: a drop-in for the class the
+decode scheduler owns (SGLang 0.5.23, ``python/sglang/srt/disaggregation/
+decode_kvcache_offload_manager.py``), with the same constructor and scheduler-facing
+methods.
+
+It is a :class:`~kvoffload.SyncOffloadManager` in engine-owned mode: SGLang's per-layer
+KV buffers are the device pages (``token_to_kv_pool_allocator.get_kvcache()``), page
+ids come from SGLang's request rows (``req_to_token_pool.req_to_token``), the chain of
+each request is seeded from ``req.extra_key`` / ``req.cache_salt``, the TP group makes
+every rank release the same requests in the same call, and a finished request's KV is
+released through SGLang's own path (the row's KV range freed, the prefix-cache lock
+dropped, the request row freed) exactly once, after its last copy is acknowledged.
+
+No SGLang module is imported: the objects the scheduler hands over are used by the
+attributes and methods named below, and the tests drive this class with fakes shaped
+like them. docs/integrations/sglang.md has the one-line change in SGLang's scheduler,
+what is the same and what differs.
+
+Threading: construct it and call it from the scheduler's thread (the manager's owner
+thread); nothing here starts an event loop.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from kvoffload.config import OffloadConfig
+from kvoffload.core.events import logger
+from kvoffload.drivers.sync import SyncOffloadManager
+from kvoffload.errors import ConfigError, PageError, UnsupportedKVPool
+from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
+from kvoffload.lifecycle.core import Lifecycle
+
+__all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors"]
+
+#: SGLang's default directory of its file storage backend (``HiCacheFile``).
+SGLANG_FILE_DIR = "/tmp/hicache"
+#: Buffers a plain MHA / MLA pool holds; any other ``*_buffer`` is per-token state this
+#: integration would not copy (an indexer's keys, scales, labels): refused.
+_KV_BUFFERS = {"mha": ("k_buffer", "v_buffer"), "mla": ("kv_buffer",)}
+_NO_ROW = (None, -1)
+
+
+def _page_tensors(name: str, buffers: Any, page_size: int) -> list[Any]:
+    """Each buffer of a pool as ``(num_pages, page_size, ...)`` views (no copy)."""
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        raise UnsupportedKVPool(f"the KV pool's {name} is {type(buffers).__name__}, not a list of tensors")
+    views = []
+    for i, t in enumerate(buffers):
+        rows = int(t.shape[0])
+        if rows % page_size:
+            raise UnsupportedKVPool(
+                f"the KV pool's {name}[{i}] has {rows} token rows, not a whole number of pages of {page_size}"
+            )
+        if not t.is_contiguous():
+            raise UnsupportedKVPool(f"the KV pool's {name}[{i}] is not contiguous")
+        views.append(t.view(rows // page_size, page_size, *t.shape[1:]))
+    return views
+
+
+def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
+    """SGLang's KV pool as engine-owned ``device_kv``: ``("mha", [K0, V0, K1, V1, ...])``
+    or ``("mla", [KV0, KV1, ...])``, each a ``(num_pages, page_size, ...)`` view of the
+    pool's own buffer.
+
+    Raises :class:`~kvoffload.UnsupportedKVPool` for what this integration cannot offload
+    yet, naming it: sliding-window (SWA) and hybrid (linear attention / Mamba) pools, a
+    pool with per-token state besides K and V (an NSA indexer, FP4 scales, DoubleSparse
+    labels), a device other than CUDA or CPU (NPU), buffers that are not whole pages.
+    """
+    kind_name = type(kv_pool).__name__
+    if "SWA" in kind_name or hasattr(kv_pool, "swa_kv_pool") or hasattr(kv_pool, "full_kv_pool"):
+        raise UnsupportedKVPool(
+            f"{kind_name}: sliding-window (SWA) KV pools are not supported yet; "
+            "supported: a plain MHA pool (k_buffer, v_buffer) or MLA pool (kv_buffer)"
+        )
+    if "Hybrid" in kind_name or "Mamba" in kind_name or hasattr(kv_pool, "mamba_pool"):
+        raise UnsupportedKVPool(
+            f"{kind_name}: hybrid (linear-attention / Mamba) KV pools are not supported yet; "
+            "supported: a plain MHA pool (k_buffer, v_buffer) or MLA pool (kv_buffer)"
+        )
+    if hasattr(kv_pool, "k_buffer") and hasattr(kv_pool, "v_buffer"):
+        kind = "mha"
+        k = _page_tensors("k_buffer", kv_pool.k_buffer, page_size)
+        v = _page_tensors("v_buffer", kv_pool.v_buffer, page_size)
+        if len(k) != len(v):
+            raise UnsupportedKVPool(f"{kind_name}: {len(k)} K buffers but {len(v)} V buffers")
+        tensors = [t for pair in zip(k, v, strict=True) for t in pair]
+    elif hasattr(kv_pool, "kv_buffer"):
+        kind = "mla"
+        tensors = _page_tensors("kv_buffer", kv_pool.kv_buffer, page_size)
+    else:
+        raise UnsupportedKVPool(
+            f"{kind_name}: not a KV pool this integration knows (no k_buffer/v_buffer, no kv_buffer); "
+            "supported: a plain MHA or MLA pool"
+        )
+    extra = sorted(
+        a
+        for a, value in vars(kv_pool).items()
+        if a.endswith("_buffer") and a not in _KV_BUFFERS[kind] and value is not None
+    )
+    if extra:
+        raise UnsupportedKVPool(
+            f"{kind_name} holds per-token state besides the KV ({', '.join(extra)}) that this "
+            "integration would not copy: not supported yet"
+        )
+    device = tensors[0].device
+    if device.type not in ("cuda", "cpu"):
+        raise UnsupportedKVPool(
+            f"{kind_name} is on {device}: only CUDA (and CPU, for tests) are supported; NPU is not yet"
+        )
+    return kind, tensors
+
+
+class _Entry:
+    """kvoffload's state of one SGLang ``Req``, keyed by the Req object (never its rid):
+    a reused rid is another Req and shares nothing."""
+
+    __slots__ = ("base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed")
+
+    def __init__(self, seed: str) -> None:
+        # ref: the Req, weakly: a Req the scheduler drops leaves nothing here.
+        self.ref: Callable[[], Any] = _nothing
+        # req: the Req itself, held from finish until its release only.
+        self.req: Any = None
+        # lc: the live lifecycle, or None (not admitted yet, retracted, released).
+        self.lc: Lifecycle | None = None
+        # row: req.kv.req_pool_idx when lc was admitted; another value means the engine
+        #   took the row back (retraction) and lc's pages are no longer the request's.
+        self.row: Any = None
+        # base: tokens before lc's first token (page-aligned, stored before lc began).
+        #   Invariant: base + lc.committed == tokens of the Req that lc has been told of.
+        self.base = 0
+        # seed: the namespace chain seed of the Req ("" for none).
+        self.seed = seed
+        # resume: (tokens stored, chain key) of a retracted Req, for its next admission.
+        self.resume: tuple[int, str] | None = None
+        # finishing: the lifecycle whose release is the Req's release (finish was called).
+        self.finishing: Lifecycle | None = None
+        # done: SGLang's release path ran for this Req. Invariant: it runs at most once.
+        self.done = False
+
+
+class _Ongoing:
+    """``len(manager.ongoing_offload)``: work only ``check_offload_progress`` moves on
+    (SGLang's scheduler does not sleep while it is non-zero)."""
+
+    __slots__ = ("_mgr",)
+
+    def __init__(self, mgr: SyncOffloadManager) -> None:
+        self._mgr = mgr
+
+    def __len__(self) -> int:
+        return self._mgr.outstanding if self._mgr.is_open else 0
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __repr__(self) -> str:
+        return f"<ongoing_offload {len(self)}>"
+
+
+def _stride_from_env(page_size: int) -> int:
+    """SGLang's offload stride: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE`` tokens rounded
+    down to whole pages (at least one page); unset or not positive: one page."""
+    raw = os.environ.get("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "").strip()
+    if not raw:
+        return page_size
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE={raw!r} is not an int") from None
+    if value <= 0:
+        return page_size
+    return max(page_size, value // page_size * page_size)
+
+
+class DecodeKVCacheOffloadManager:
+    """SGLang's decode-side offload manager on kvoffload (see the module docstring).
+
+    ``DecodeKVCacheOffloadManager(req_to_token_pool, token_to_kv_pool_allocator,
+    tp_group, tree_cache, server_args=None)`` as in SGLang. Keyword-only extras:
+    ``host_pages`` (default from ``server_args.hicache_size`` in GB, else
+    ``hicache_ratio`` (2.0) times the device pages), ``stride`` (default
+    ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
+    ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
+    ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
+    kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
+    ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
+    host pages return, as SGLang retries at the next step; ``"drop"``: counted and
+    retried a stride later, lost at finish), ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
+    ``release_host_resources`` wait at most), ``release`` (SGLang's release path,
+    ``release(req)``; the default is :meth:`release_request_kv`).
+
+    Raises :class:`~kvoffload.UnsupportedKVPool` at construction for a pool it cannot
+    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`).
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        tp_group: Any,
+        tree_cache: Any,
+        server_args: Any = None,
+        *,
+        host_pages: int | None = None,
+        stride: int | None = None,
+        storage: Any = "server_args",
+        backend: Any = None,
+        on_host_full: str = "wait",
+        drain_timeout_s: float | None = 30.0,
+        release: Callable[[Any], object] | None = None,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.server_args = server_args
+        page_size = getattr(token_to_kv_pool_allocator, "page_size", None)
+        if type(page_size) is not int or page_size < 1:
+            raise ConfigError(
+                f"token_to_kv_pool_allocator.page_size must be a positive int, got {page_size!r}"
+            )
+        # The allocator's page (under DCP a multiple of server_args.page_size) is the page
+        # every row range and key is cut on, as in SGLang.
+        self.page_size = page_size
+        self.kv_kind, device_kv = engine_kv_tensors(token_to_kv_pool_allocator.get_kvcache(), page_size)
+        page_bytes = sum(int(t[0].numel() * t.element_size()) for t in device_kv)
+        n_pages = int(device_kv[0].shape[0])
+        if host_pages is None:
+            host_pages = self._host_pages_from(server_args, page_bytes, n_pages)
+        self.offload_stride = _stride_from_env(page_size) if stride is None else stride
+        self.tp_group = tp_group
+        self.tp_world_size = self._world_size(tp_group)
+        config = OffloadConfig(
+            page_size=page_size,
+            stride=self.offload_stride,
+            device_pages=None,
+            host_pages=host_pages,
+            on_host_full=on_host_full,  # type: ignore[arg-type]  # OffloadConfig checks it
+            drain_timeout_s=drain_timeout_s,
+        )
+        if storage == "server_args":
+            storage = self._storage_from(server_args)
+        if backend is None:
+            backend = "cuda" if device_kv[0].device.type == "cuda" else "cpu"
+        self._release_req = release if release is not None else self.release_request_kv
+        self.manager = SyncOffloadManager(
+            config,
+            backend=backend,
+            storage=storage,
+            on_released=self._on_released,
+            device_kv=device_kv,
+            group=tp_group if self.tp_world_size > 1 else None,
+        )
+        # _entries: id(Req) -> _Entry, for Reqs alive (weakly held); _dead: entries whose
+        # Req was collected (appended by the weakref callback, on any thread; reaped on
+        # the scheduler's thread at its next call).
+        self._entries: dict[int, _Entry] = {}
+        self._dead: deque[tuple[int, _Entry]] = deque()
+        # _drained: drain_before_retraction ran; the next call looks for rows taken back.
+        self._drained = False
+        self.ongoing_offload = _Ongoing(self.manager)
+        self.manager.open()
+
+    # --- construction helpers ----------------------------------------------------------
+
+    @staticmethod
+    def _world_size(tp_group: Any) -> int:
+        if tp_group is None:
+            return 1
+        size = getattr(tp_group, "size", None)
+        if callable(size):
+            return int(size())
+        import torch.distributed as dist
+
+        return int(dist.get_world_size(group=tp_group))
+
+    @staticmethod
+    def _host_pages_from(server_args: Any, page_bytes: int, n_pages: int) -> int:
+        """SGLang's host pool size: ``hicache_size`` GB when set, else ``hicache_ratio``
+        (default 2.0) times the device pool."""
+        size_gb = getattr(server_args, "hicache_size", 0) or 0
+        if size_gb > 0:
+            return max(1, int(size_gb * 1e9) // page_bytes)
+        ratio = getattr(server_args, "hicache_ratio", 2.0) or 2.0
+        return max(1, int(n_pages * ratio))
+
+    @staticmethod
+    def _storage_from(server_args: Any) -> Any:
+        name = getattr(server_args, "hicache_storage_backend", None)
+        if name is None:
+            return None
+        if name == "file":
+            return os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or SGLANG_FILE_DIR
+        raise ConfigError(
+            f"hicache_storage_backend={name!r} is not a store kvoffload's SGLang integration knows: "
+            "use 'file', or pass storage= (a path, 'redis://...', or a kvoffload Storage)"
+        )
+
+    # --- SGLang's scheduler-facing methods ---------------------------------------------
+
+    def offload_kv_cache(self, req: Any) -> bool:
+        """Tell kvoffload the tokens ``req`` committed since the last call (after every
+        decode step, for every running request, and at finish); a chunk goes out every
+        ``offload_stride`` tokens. At finish (``req.finished()``) the page-aligned tail
+        is flushed too and the request's release is deferred to its last copy's ack:
+        returns True when it was deferred (the scheduler must not release the KV), False
+        when there was nothing to defer (the scheduler calls
+        :meth:`finalize_release_on_finish`). Before finish: True when a chunk went out."""
+        if self._dead:
+            self._reap()
+        row = req.kv.req_pool_idx
+        out = req.output_ids
+        if row is None or row == -1 or not out:
+            return False
+        e = self._entries.get(id(req))
+        if e is None or e.ref() is not req:
+            e = self._entry(req)
+        if e.done or e.finishing is not None:
+            return e.finishing is not None and not e.done
+        lc = e.lc
+        if lc is not None and e.row != row:
+            self._reclaimed(e)
+            lc = None
+        n_origin = len(req.origin_input_ids)
+        committed = n_origin + len(out) - 1  # the last output token's KV is not written yet
+        if lc is None:
+            lc = self._admit(e, req, row, committed)
+            sent = lc.submitted > 0
+        else:
+            have = e.base + lc.committed
+            before = lc.submitted
+            if committed > have:
+                new = out[have - n_origin : committed - n_origin]
+                ps = self.page_size
+                if -(-committed // ps) > -(-have // ps):
+                    lc.extend(new, pages=self._pages(row, have, committed))
+                else:
+                    lc.extend(new)
+            sent = lc.submitted > before
+        if not req.finished():
+            return sent
+        e.req = req
+        e.finishing = lc
+        lc.finish()  # flushes the page-aligned tail; may release at once (on_released)
+        return not e.done
+
+    def check_offload_progress(self) -> None:
+        """Once per scheduler iteration, before batch selection: deliver the copies that
+        completed (on every TP rank the same ones, agreed), hand copied pages to the
+        storage tier, and release each finished request whose last copy is acknowledged
+        (SGLang's release path). Never waits on the device or the store."""
+        if self._dead:
+            self._reap()
+        if self._drained:
+            self._scan_reclaimed()
+        self.manager.poll()
+
+    def finalize_release_on_finish(self, req: Any) -> None:
+        """Release a finished request's KV now, unless a copy still reads it (then its
+        last ack releases it). Exactly once per request, whichever path comes first; a
+        request never offloaded is released at once."""
+        if self._dead:
+            self._reap()
+        e = self._entries.get(id(req))
+        if e is not None and e.ref() is not req:
+            self._reap()
+            e = None
+        if e is not None:
+            if e.done or e.finishing is not None:
+                return
+            lc = e.lc
+            if lc is not None and e.row == req.kv.req_pool_idx:
+                e.req = req
+                e.finishing = lc
+                lc.finish()
+                return
+            if lc is not None:
+                self._reclaimed(e)
+        self._release(req, e)
+
+    def drain_before_retraction(self) -> None:
+        """Wait until no copy reads any request's rows, so the scheduler may retract
+        (free rows). Raises :class:`~kvoffload.DrainTimeout` naming the copies still in
+        flight after ``drain_timeout_s``, as SGLang raises when it cannot drain."""
+        timeout = self.manager.config.drain_timeout_s
+        self.manager.quiesce(timeout=timeout)
+        self._drained = True
+
+    def has_inflight_device_transfer(self) -> bool:
+        """Whether a device-to-host copy is running (rows must stay where they are)."""
+        return self.manager.copies_in_flight > 0
+
+    def release_host_resources(self) -> None:
+        """Shut down: drain the copies and storage writes (at most ``drain_timeout_s``),
+        abort what is live, stop the copy and writer threads, drop the host pool.
+        Idempotent."""
+        mgr = self.manager
+        if mgr.is_open:
+            try:
+                mgr.close()
+            finally:
+                self._entries.clear()
+                self._dead.clear()
+
+    # --- SGLang's release path ---------------------------------------------------------
+
+    def release_request_kv(self, req: Any) -> None:
+        """SGLang's release of a finished request's KV: the row's committed range (and
+        an over-allocated tail, e.g. speculative decoding's, page-aligned so it never
+        shares a page with the committed range) through ``tree_cache.free_kv_row``, the
+        prefix-cache lock through ``tree_cache.unlock(req)``, the request row through
+        ``req_to_token_pool.free(req)``, then ``req.kv.mark_kv_released()`` when the
+        Req has it. Skipped for a Req whose row is already gone."""
+        kv = req.kv
+        if kv.req_pool_idx in _NO_ROW:
+            return
+        effective = getattr(req, "effective_kv_committed_len", None)
+        committed = int(effective() if callable(effective) else kv.kv_committed_len)
+        ranges = [(0, committed)]
+        start, end = committed, int(kv.kv_allocated_len)
+        alloc_page = self.token_to_kv_pool_allocator.page_size
+        if alloc_page > 1:
+            start = -(-start // alloc_page) * alloc_page
+        if start < end:
+            ranges.append((start, end))
+        self.tree_cache.free_kv_row(kv, ranges)
+        self.tree_cache.unlock(req)
+        self.req_to_token_pool.free(req)
+        mark = getattr(kv, "mark_kv_released", None)
+        if callable(mark):
+            mark()
+
+    # --- kvoffload's side ----------------------------------------------------------------
+
+    def _entry(self, req: Any) -> _Entry:
+        """A new entry for ``req`` (the entry of a collected Req with the same id is
+        reaped first)."""
+        key = id(req)
+        if key in self._entries:
+            self._reap()
+            self._entries.pop(key, None)  # a dead Req's entry its callback has not queued yet
+        seed = namespace_seed(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
+        entry = _Entry(seed or "")
+        dead = self._dead
+
+        def collected(_: object) -> None:  # any thread (the collector's): queue only
+            dead.append((key, entry))
+
+        try:
+            entry.ref = weakref.ref(req, collected)
+        except TypeError:
+            raise ConfigError(
+                f"{type(req).__name__} objects must support weak references (SGLang's Req does)"
+            ) from None
+        self._entries[key] = entry
+        return entry
+
+    def _admit(self, e: _Entry, req: Any, row: Any, committed: int) -> Lifecycle:
+        """A lifecycle for the tokens ``req`` committed beyond what is stored: the
+        page-aligned prompt (the prefill side stored it) or, after a retraction, what
+        was offloaded before it. Stored pages are never read, so they are not held: a
+        prefix the engine's radix cache shares between requests is no conflict."""
+        if self._drained:
+            self._scan_reclaimed()
+        ps = self.page_size
+        tokens = [*req.origin_input_ids, *req.output_ids[: committed - len(req.origin_input_ids)]]
+        if e.resume is not None:
+            stored, chain = e.resume
+        else:
+            n = len(req.origin_input_ids)
+            stored = n - n % ps
+            chain = e.seed
+            if stored:
+                chain = page_run_keys(e.seed or None, validate_tokens(tokens[:stored], "prompt"), ps)[-1]
+        pages = self._pages(row, stored, committed)
+        try:
+            lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
+        except PageError:
+            if not self._scan_reclaimed():
+                raise
+            lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
+        e.lc, e.row, e.base, e.resume = lc, row, stored, None
+        return lc
+
+    def _pages(self, row: Any, start: int, end: int) -> list[int]:
+        """SGLang's page ids of the pages that tokens ``start..end`` of request row
+        ``row`` start (from the row's first slot of each page)."""
+        ps = self.page_size
+        a, b = -(-start // ps), -(-end // ps)
+        if b <= a:
+            return []
+        slots = self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps].tolist()
+        if ps == 1:
+            return [int(s) for s in slots]
+        bad = [s for s in slots if s % ps]
+        if bad:
+            raise PageError(
+                f"req_to_token row {row}: slot(s) {bad[:4]} start a page but are not multiples of "
+                f"the page size {ps}: the allocator's pages and the row disagree"
+            )
+        return [int(s) // ps for s in slots]
+
+    def _scan_reclaimed(self) -> bool:
+        """After a drain (or a page claimed twice): end the lifecycle of every unfinished
+        Req whose row the engine took back (retraction). Returns whether any was."""
+        self._drained = False
+        found = False
+        for e in list(self._entries.values()):
+            req = e.ref()
+            if e.lc is not None and e.finishing is None and req is not None and req.kv.req_pool_idx != e.row:
+                self._reclaimed(e)
+                found = True
+        return found
+
+    def _reclaimed(self, e: _Entry) -> None:
+        """The engine took ``e``'s row back (retraction): end its lifecycle, keeping where
+        the chain is so the resumed request continues it."""
+        lc = e.lc
+        assert lc is not None
+        if lc.inflight:  # the engine freed rows under a running copy (no drain first)
+            logger.error(
+                "sglang.rows_reclaimed_mid_copy",
+                rid=lc.rid,
+                lifecycle=int(lc.id),
+                inflight=lc.inflight,
+                hint="call drain_before_retraction() before retracting",
+            )
+        e.resume = (e.base + lc.submitted, lc.chain_key or "")
+        e.lc = None
+        e.row = None
+        lc.abort()
+
+    def _reap(self) -> None:
+        """Forget the entries of collected Reqs; a live lifecycle among them is aborted
+        (its copies finish into host pages that are then returned)."""
+        dead = self._dead
+        while dead:
+            key, e = dead.popleft()
+            if self._entries.get(key) is e:
+                del self._entries[key]
+            lc = e.lc
+            e.lc = None
+            if lc is not None and not lc.released and e.finishing is None:
+                lc.abort()
+
+    def _on_released(self, lc: Lifecycle) -> None:
+        """kvoffload released ``lc``: if it carried a finished Req, SGLang's release path."""
+        e: _Entry = lc.tag
+        if e.lc is lc:
+            e.lc = None
+        if e.finishing is lc:
+            req = e.req
+            self._release(req, e)
+
+    def _release(self, req: Any, e: _Entry | None) -> None:
+        """SGLang's release path for ``req``, at most once."""
+        if e is not None:
+            if e.done:
+                return
+            e.done = True
+            e.req = None
+            e.finishing = None
+        self._release_req(req)
+
+    # --- observability --------------------------------------------------------------------
+
+    def statistics(self) -> Any:
+        """kvoffload's counters (:class:`~kvoffload.Statistics`)."""
+        return self.manager.statistics()
+
+    def __repr__(self) -> str:
+        return (
+            f"<kvoffload DecodeKVCacheOffloadManager page={self.page_size} stride={self.offload_stride} "
+            f"kv={self.kv_kind} tp={self.tp_world_size} requests={len(self._entries)} "
+            f"ongoing={len(self.ongoing_offload)}>"
+        )
+
+
+def _nothing() -> None:
+    """The weak reference of an entry not yet bound to its Req."""

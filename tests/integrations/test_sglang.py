@@ -1,0 +1,561 @@
+"""kvoffload's drop-in for SGLang's DecodeKVCacheOffloadManager, driven only through
+the scheduler's calls on fakes shaped like SGLang's objects (sglang_fakes.py).
+
+The behaviours SGLang's own tests pin down, then where kvoffload differs on purpose.
+Every run checks what the storage tier holds against the engine's KV bytes and
+independently computed chain keys, and that every page the engine handed out came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import struct
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+from sglang_fakes import Engine, Req, collect, expected_page
+
+import kvoffload as kvo
+from kvoffload.integrations.sglang import DecodeKVCacheOffloadManager, engine_kv_tensors
+from kvoffload.storage.memory import MemoryStorage
+from kvoffload.testing import SimBackend
+
+PS = 4
+
+
+def ref_keys(tokens: list[int], page_size: int, seed: str | None = None) -> list[str]:
+    """SGLang's page keys, written out with hashlib (not kvoffload's key code):
+    sha256(prior key's bytes + each token as uint32 little-endian), hex; the chain
+    starts from the namespace seed's bytes, or nothing."""
+    keys, prior = [], bytes.fromhex(seed) if seed else b""
+    for p in range(len(tokens) // page_size):
+        h = hashlib.sha256(prior)
+        for t in tokens[p * page_size : (p + 1) * page_size]:
+            h.update(struct.pack("<I", t))
+        prior = h.digest()
+        keys.append(h.hexdigest())
+    return keys
+
+
+def stored(storage: MemoryStorage, keys: list[str]) -> list[bytes | None]:
+    return asyncio.run(storage.get(keys))
+
+
+def check_stored(engine: Engine, storage: MemoryStorage, req: Req, from_page: int, to_page: int) -> None:
+    """Pages ``from_page..to_page`` of ``req`` are in storage under SGLang's keys, with
+    the engine's bytes."""
+    tokens = req.origin_input_ids + req.output_ids[:-1]
+    seed = kvo.namespace_seed(req.extra_key, req.cache_salt)
+    keys = ref_keys(tokens, PS, seed)[from_page:to_page]
+    got = stored(storage, keys)
+    for i, (key, page) in enumerate(zip(keys, got, strict=True)):
+        p = from_page + i
+        assert page is not None, f"{req.rid}: page {p} ({key[:12]}) missing from storage"
+        assert page == expected_page(req.uid, tokens, p, PS, engine.n_tensors), f"{req.rid}: page {p} bytes"
+
+
+def check_nothing_left(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None:
+    """Every page and row the engine handed out came back; kvoffload holds nothing."""
+    mgr.check_offload_progress()
+    stats = mgr.statistics()
+    assert stats.live_lifecycles == 0, stats
+    assert stats.host_pages_used == 0, stats
+    assert len(mgr.ongoing_offload) == 0
+    assert not mgr.has_inflight_device_transfer()
+    assert engine.allocator.used == set(), f"pages never freed: {sorted(engine.allocator.used)}"
+    mgr.manager.check_invariants()
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine(page_size=PS)
+
+
+Opened = tuple[DecodeKVCacheOffloadManager, MemoryStorage]
+
+
+def open_mgr(engine: Engine, backend: Any = None, **kw: Any) -> Opened:
+    storage = kw.pop("storage", None) or MemoryStorage()
+    kw.setdefault("host_pages", 64)
+    kw.setdefault("drain_timeout_s", 5.0)
+    mgr = engine.manager(storage=storage, backend=backend or SimBackend(), **kw)
+    return mgr, storage
+
+
+# --- the behaviours SGLang's tests pin down -----------------------------------------------
+
+
+def test_in_flight_is_tracked_until_the_ack(engine: Engine) -> None:
+    sim = SimBackend()
+    mgr, _ = open_mgr(engine, sim)
+    req = Req("a", list(range(10)), max_new=50)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    assert mgr.has_inflight_device_transfer()
+    assert len(mgr.ongoing_offload) == 1
+    for _ in range(3):  # no ack yet: still in flight, however often the scheduler checks
+        mgr.check_offload_progress()
+        assert mgr.has_inflight_device_transfer()
+    sim.complete(sim.pending[0])
+    mgr.check_offload_progress()
+    assert not mgr.has_inflight_device_transfer()
+    engine.drop(req)
+    del req
+    collect()
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None:
+    sim = SimBackend()
+    mgr, storage = open_mgr(engine, sim)
+    req = Req("a", list(range(6)), max_new=13)
+    engine.prefill(req)
+    done: list[Req] = []
+    while not done:
+        done = engine.iteration()
+    # At finish: copies still read the row; the scheduler was told to leave the KV alone.
+    assert len(sim.pending) >= 2
+    assert engine.tree.released == [] and req.kv.req_pool_idx is not None
+    while len(sim.pending) > 1:
+        sim.complete(sim.pending[0])
+        mgr.check_offload_progress()
+        assert engine.tree.released == [], "released before the last ack"
+    sim.complete(sim.pending[0])
+    mgr.check_offload_progress()
+    assert engine.tree.released == ["a"]
+    assert req.kv.released == 1 and engine.r2t.frees == 1
+    # A second finalize (or check) does not release again.
+    mgr.finalize_release_on_finish(req)
+    mgr.check_offload_progress()
+    assert engine.tree.released == ["a"] and req.kv.released == 1
+    n = len(req.origin_input_ids) + len(req.output_ids) - 1
+    check_stored(engine, storage, req, 1, n // PS)
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
+    sim = SimBackend()
+    mgr, storage = open_mgr(engine, sim)
+    first = Req("same", list(range(8)), max_new=9)
+    engine.prefill(first)
+    while not engine.iteration():
+        pass
+    assert sim.pending, "the first request's copies are still in flight"
+    first_copies = list(sim.pending)
+    second = Req("same", [50 + i for i in range(8)], max_new=30)  # same rid, other tokens
+    engine.prefill(second)
+    for _ in range(10):
+        engine.iteration()
+    # The first one's late completions reach only the first one.
+    for t in first_copies:
+        sim.complete(t)
+    mgr.check_offload_progress()
+    assert engine.tree.released == ["same"] and first.kv.released == 1 and second.kv.released == 0
+    assert second.kv.req_pool_idx is not None and not second.finished()
+    while engine.running:
+        sim.complete_all()
+        engine.iteration()
+    sim.complete_all()
+    mgr.check_offload_progress()
+    assert engine.tree.released == ["same", "same"] and second.kv.released == 1
+    check_stored(engine, storage, first, 2, (8 + 8) // PS)
+    check_stored(engine, storage, second, 2, (8 + 29) // PS)
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
+    sim = SimBackend()
+    mgr, _ = open_mgr(engine, sim)
+    req = Req("gone", list(range(9)), max_new=100)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    copies = list(sim.pending)
+    # The engine drops the Req (after the copies, as F19 requires of any free).
+    for t in copies:
+        sim.complete(t)
+    engine.drop(req)
+    del req
+    collect()
+    mgr.check_offload_progress()
+    assert mgr._entries == {}
+    assert engine.tree.released == [], "a dropped Req is the engine's to release, not kvoffload's"
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_a_req_dropped_mid_copy_is_held_until_its_copy_ends() -> None:
+    """Dropped while its copy runs: the lifecycle is aborted; the host pages come back
+    when the copy completes; nothing of the Req is pinned meanwhile."""
+    engine = Engine(page_size=PS)
+    sim = SimBackend()
+    mgr, _ = open_mgr(engine, sim)
+    req = Req("gone", list(range(9)), max_new=100)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    engine.running.remove(req)  # the engine forgets it but keeps the row until the copy ends
+    kv = req.kv
+    del req
+    collect()
+    mgr.check_offload_progress()
+    assert mgr._entries == {}
+    assert mgr.statistics().host_pages_used > 0  # still under the running copy
+    sim.complete_all()
+    mgr.check_offload_progress()
+    assert mgr.statistics().host_pages_used == 0 and mgr.statistics().live_lifecycles == 0
+    engine.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
+    mgr.release_host_resources()
+
+
+def test_drain_before_retraction_waits_for_every_copy(engine: Engine) -> None:
+    mgr, _ = open_mgr(engine, "cpu")
+    reqs = [Req(f"r{i}", list(range(5 + i)), max_new=400) for i in range(3)]
+    for r in reqs:
+        engine.prefill(r)
+    for _ in range(12):
+        engine.iteration()
+    mgr.drain_before_retraction()
+    assert not mgr.has_inflight_device_transfer()
+    assert mgr.manager.copies_in_flight == 0
+
+
+def test_drain_before_retraction_raises_when_a_copy_cannot_drain(engine: Engine) -> None:
+    sim = SimBackend()  # nothing completes unless the test says so: a wedged copy
+    mgr, _ = open_mgr(engine, sim, drain_timeout_s=0.2)
+    req = Req("stuck", list(range(9)), max_new=100)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    with pytest.raises(kvo.DrainTimeout, match="in flight"):
+        mgr.drain_before_retraction()
+    assert mgr.has_inflight_device_transfer()  # nothing was freed under the copy
+    sim.complete_all()
+    mgr.drain_before_retraction()
+    engine.drop(req)
+    mgr.release_host_resources()
+
+
+def test_host_pool_full_then_retry(engine: Engine) -> None:
+    """SGLang returns False and tries again at the next step; kvoffload returns False and
+    defers the chunk until host pages return (on_host_full="wait"), then sends the same
+    pages: none lost, the chain unbroken, the release after the last copy."""
+    sim = SimBackend()
+    mgr, storage = open_mgr(engine, sim, host_pages=1)
+    req = Req("a", list(range(4)), max_new=40)
+    engine.prefill(req)
+    while len(sim.pending) < 1:
+        engine.iteration()
+    for _ in range(PS):  # a second chunk is due: the host pool (1 page) is full
+        engine.iteration()
+    stats = mgr.statistics()
+    assert stats.chunks_deferred >= 1 and len(sim.pending) == 1
+    while engine.running:
+        sim.complete_all()
+        engine.iteration()
+    while sim.pending or mgr.ongoing_offload:
+        sim.complete_all()
+        mgr.check_offload_progress()
+    n = len(req.origin_input_ids) + len(req.output_ids) - 1
+    check_stored(engine, storage, req, 1, n // PS)
+    assert mgr.statistics().pages_lost == 0
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_resume_after_retraction_continues_the_chain(engine: Engine) -> None:
+    mgr, storage = open_mgr(engine, "cpu")
+    req = Req("a", list(range(7)), max_new=60, extra_key="lora-1")
+    other = Req("b", list(range(30, 41)), max_new=25)
+    engine.prefill(req)
+    engine.prefill(other)
+    for _ in range(20):
+        engine.iteration()
+    sent_before = mgr.statistics().pages_submitted
+    engine.retract(req)  # drain, then the engine frees the row and pages
+    for _ in range(6):  # the other request runs on (it may reuse the freed pages)
+        engine.iteration()
+    engine.resume(req)  # a new row, new pages, the KV recomputed
+    while engine.running:
+        engine.iteration()
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+    n = len(req.origin_input_ids) + len(req.output_ids) - 1
+    check_stored(engine, storage, req, 1, n // PS)
+    # Nothing stored before the retraction was copied again.
+    pages_of_req = n // PS - 1
+    other_pages = (len(other.origin_input_ids) + len(other.output_ids) - 1) // PS - 2
+    assert mgr.statistics().pages_submitted == pages_of_req + other_pages
+    assert sent_before > 0
+    assert engine.tree.released == ["b", "a"]
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_a_request_never_offloaded_is_released_at_once(engine: Engine) -> None:
+    mgr, _ = open_mgr(engine, SimBackend())
+    # Finished at its first token: no output KV committed, nothing to copy.
+    req = Req("short", list(range(6)), max_new=1)
+    engine.prefill(req)
+    req.finished_reason = "stop"
+    assert mgr.offload_kv_cache(req) is False
+    mgr.finalize_release_on_finish(req)
+    assert engine.tree.released == ["short"] and req.kv.released == 1
+    engine.running.remove(req)
+    # Finished before a whole page beyond the prompt: admitted and released in one call.
+    req2 = Req("tiny", list(range(8)), max_new=3)
+    engine.prefill(req2)
+    engine.iteration()
+    engine.iteration()
+    assert req2.finished() and engine.tree.released == ["short", "tiny"]
+    engine.running.clear()
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_idle_and_in_flight_gates(engine: Engine) -> None:
+    """``len(ongoing_offload)`` is what SGLang's idle check adds: non-zero while a copy
+    or a storage write is pending; ``has_inflight_device_transfer`` only while a copy
+    reads device rows (the gate for moving rows)."""
+    sim = SimBackend()
+
+    class SlowStore(MemoryStorage):
+        def __init__(self) -> None:
+            super().__init__()
+            self.release = asyncio.Event()
+
+        async def put_pages(self, keys: Any, host_pool: Any, host_pages: Any) -> None:
+            while not self.gate:
+                await asyncio.sleep(0.005)
+            await super().put_pages(keys, host_pool, host_pages)
+
+        gate = False
+
+    store = SlowStore()
+    mgr, _ = open_mgr(engine, sim, storage=store)
+    assert len(mgr.ongoing_offload) == 0 and not mgr.has_inflight_device_transfer()
+    req = Req("a", list(range(4)), max_new=100)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    assert len(mgr.ongoing_offload) == 1 and mgr.has_inflight_device_transfer()
+    sim.complete_all()
+    mgr.check_offload_progress()  # copied: the write to storage is still pending
+    assert not mgr.has_inflight_device_transfer()
+    assert len(mgr.ongoing_offload) == 1, "a pending storage write must keep the scheduler awake"
+    store.gate = True
+    for _ in range(400):
+        mgr.check_offload_progress()
+        if not mgr.ongoing_offload:
+            break
+        mgr.manager.wait_progress(0.01)
+    assert len(mgr.ongoing_offload) == 0
+    engine.drop(req)
+    mgr.release_host_resources()
+
+
+# --- where kvoffload differs on purpose ------------------------------------------------
+
+
+def test_the_page_aligned_tail_is_flushed_at_finish(engine: Engine) -> None:
+    """SGLang offloads only whole strides; kvoffload also sends the whole pages since
+    the last stride when the request finishes (F12)."""
+    mgr, storage = open_mgr(engine, "cpu", stride=4 * PS)
+    req = Req("a", list(range(PS)), max_new=3 * PS + 2)  # finishes 3 pages past the prompt
+    engine.run([req])
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+    n = len(req.origin_input_ids) + len(req.output_ids) - 1
+    assert n // PS == 4  # 3 whole pages beyond the prompt: less than a stride
+    check_stored(engine, storage, req, 1, 4)
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
+    sim = SimBackend()
+    mgr, storage = open_mgr(engine, sim)
+    reqs = [Req(f"r{i}", list(range(i, i + 6)), max_new=30, cache_salt=f"s{i}") for i in range(3)]
+    for r in reqs:
+        engine.prefill(r)
+    while engine.running:
+        engine.iteration()
+        for t in reversed(sim.pending[1:]):  # newest first, one left behind each step
+            sim.complete(t)
+    for t in reversed(sim.pending):
+        sim.complete(t)
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.01)
+    for r in reqs:
+        n = len(r.origin_input_ids) + len(r.output_ids) - 1
+        check_stored(engine, storage, r, 1, n // PS)
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
+
+
+def test_namespaces_keep_requests_apart(engine: Engine) -> None:
+    """The same tokens under another extra_key / cache_salt are another chain."""
+    mgr, storage = open_mgr(engine, "cpu")
+    a = Req("a", list(range(8)), max_new=9, extra_key="model-a")
+    b = Req("b", list(range(8)), max_new=9, extra_key="model-b")
+    engine.run([a, b])
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+    for r in (a, b):
+        check_stored(engine, storage, r, 2, 4)
+    unseeded = ref_keys(a.origin_input_ids + a.output_ids[:-1], PS)[2:4]
+    assert stored(storage, unseeded) == [None, None]
+    mgr.release_host_resources()
+
+
+def test_prefix_pages_shared_by_two_requests_are_not_held(engine: Engine) -> None:
+    """A radix cache hands two requests the same prompt pages: they are stored (the
+    prefill side wrote them), so kvoffload never reads them and holds neither's."""
+    mgr, _ = open_mgr(engine, "cpu")
+    a = Req("a", list(range(8)), max_new=12)
+    b = Req("b", list(range(8)), max_new=12)
+    engine.prefill(a)
+    engine.prefill(b)
+    row_a, row_b = a.kv.req_pool_idx, b.kv.req_pool_idx
+    engine.r2t.req_to_token[row_b, :8] = engine.r2t.req_to_token[row_a, :8]  # shared prefix
+    for _ in range(5):
+        engine.iteration()  # would raise PageError if the shared pages were claimed twice
+    engine.r2t.req_to_token[row_b, :8] = torch.arange(0, 8)  # un-share before the engine frees
+    engine.running.clear()
+    mgr.release_host_resources()
+
+
+# --- construction: what is refused, and why ------------------------------------------------
+
+
+class _Alloc:
+    def __init__(self, pool: Any, page_size: int = PS) -> None:
+        self.page_size = page_size
+        self.pool = pool
+
+    def get_kvcache(self) -> Any:
+        return self.pool
+
+
+def _mha(rows: int = 8 * PS) -> Any:
+    class MHATokenToKVPool:
+        def __init__(self) -> None:
+            self.k_buffer = [torch.zeros(rows, 2, 4)]
+            self.v_buffer = [torch.zeros(rows, 2, 4)]
+
+    return MHATokenToKVPool()
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: type("SWAKVPool", (), {"full_kv_pool": _mha(), "swa_kv_pool": _mha()})(), "sliding-window"),
+        (lambda: type("HybridLinearKVPool", (), {})(), "hybrid"),
+        (lambda: type("Unknown", (), {})(), "not a KV pool"),
+        (lambda: _mha(8 * PS + 1), "not a whole number of pages"),
+    ],
+)
+def test_unsupported_pools_are_refused_at_construction(make: Any, match: str) -> None:
+    engine = Engine(page_size=PS)
+    with pytest.raises(kvo.UnsupportedKVPool, match=match):
+        DecodeKVCacheOffloadManager(engine.r2t, _Alloc(make()), None, engine.tree)
+
+
+def test_a_pool_with_extra_per_token_state_is_refused() -> None:
+    pool = _mha()
+    pool.index_k_with_scale_buffer = [torch.zeros(8 * PS, 1)]  # an NSA indexer's keys
+    with pytest.raises(kvo.UnsupportedKVPool, match="index_k_with_scale_buffer"):
+        engine_kv_tensors(pool, PS)
+
+
+def test_an_npu_pool_is_refused() -> None:
+    class AscendTokenToKVPool:
+        def __init__(self) -> None:
+            meta = torch.zeros(8 * PS, 2, 4, device="meta")  # stands in for an NPU tensor
+            self.k_buffer = [meta]
+            self.v_buffer = [meta]
+
+    with pytest.raises(kvo.UnsupportedKVPool, match="NPU"):
+        engine_kv_tensors(AscendTokenToKVPool(), PS)
+
+
+def test_mla_pools_are_offloaded() -> None:
+    engine = Engine(page_size=PS, mla=True)
+    mgr, storage = open_mgr(engine, "cpu")
+    assert mgr.kv_kind == "mla"
+    req = Req("a", list(range(6)), max_new=15)
+    engine.run([req])
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+    check_stored(engine, storage, req, 1, (6 + 14) // PS)
+    mgr.release_host_resources()
+
+
+def test_server_args_size_the_host_pool_and_pick_the_store(tmp_path: Any, monkeypatch: Any) -> None:
+    class ServerArgs:
+        hicache_ratio = 0.5
+        hicache_size = 0
+        hicache_storage_backend = "file"
+
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", str(3 * PS + 1))
+    engine = Engine(page_size=PS, n_pages=64)
+    mgr = engine.manager(server_args=ServerArgs())
+    assert mgr.manager.config.host_pages == int(65 * 0.5)
+    assert mgr.offload_stride == 3 * PS  # rounded down to whole pages, as SGLang does
+    assert str(mgr.manager.storage.root) == str(tmp_path)  # type: ignore[union-attr]
+    mgr.release_host_resources()
+
+    class Redisless(ServerArgs):
+        hicache_storage_backend = "mooncake"
+
+    with pytest.raises(kvo.ConfigError, match="mooncake"):
+        engine.manager(server_args=Redisless())
+
+
+def test_importing_the_integration_imports_no_sglang() -> None:
+    code = (
+        "import sys, kvoffload.integrations.sglang as s; "
+        "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]; "
+        "print(bad); assert not bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> None:
+    """Many requests, real copy threads (cpu backend), a file-less memory store: every
+    page stored with the engine's bytes, every row and page returned, each request
+    released exactly once."""
+    mgr, storage = open_mgr(engine, "cpu")
+    reqs = [Req(f"r{i % 5}", [i * 10 + j for j in range(3 + i % 7)], max_new=8 + 3 * i) for i in range(12)]
+    engine.run(reqs[:6])
+    engine.run(reqs[6:])
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+    assert sorted(engine.tree.released) == sorted(r.rid for r in reqs)
+    for r in reqs:
+        assert r.kv.released == 1
+        n = len(r.origin_input_ids) + len(r.output_ids) - 1
+        check_stored(engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
+    check_nothing_left(engine, mgr)
+    mgr.release_host_resources()
