@@ -136,6 +136,9 @@ class OffloadCore:
         # inflight: transfers accepted and not yet delivered, by id.
         # Invariant: len(self.inflight) == self.counters.chunks_inflight == sum(lc.inflight)
         self.inflight: dict[int, Transfer] = {}
+        # next_seq: the seq of the next transfer submitted; inflight is in seq order.
+        # Invariant: all(t.seq < self.next_seq for t in self.inflight.values())
+        self.next_seq = 0
         # deferred: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
         self.deferred: deque[Lifecycle] = deque()
@@ -370,6 +373,7 @@ class OffloadCore:
         t = Transfer(lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream)
         t.ready = ready
         t.owned = True
+        t.seq = self.next_seq
         try:
             self.accept(t)
         except BaseException:
@@ -381,6 +385,7 @@ class OffloadCore:
         lc.due = lc.submitted + cfg.stride
         lc.inflight += 1
         self.inflight[t.id] = t
+        self.next_seq += 1
         c = self.counters
         c.chunks_submitted += 1
         c.chunks_inflight += 1
