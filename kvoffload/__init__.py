@@ -17,6 +17,8 @@ from kvoffload.errors import (
     MissingDependency,
     PageError,
     PoolExhausted,
+    RanksDiverged,
+    RankTimeout,
     StorageError,
     WrongThread,
 )
@@ -44,6 +46,8 @@ __all__ = [
     "Outcome",
     "PageError",
     "PoolExhausted",
+    "RankTimeout",
+    "RanksDiverged",
     "Statistics",
     "Storage",
     "StorageError",
