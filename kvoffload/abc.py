@@ -41,8 +41,9 @@ class Transfer:
 
     Created by the core (owner thread) *after* its host pages were allocated, and
     immutable from then on except for ``completed_at`` and ``error``, which the core
-    sets on delivery. ``seq`` numbers the core's submissions in order. The transfer holds the lifecycle that issued it: that is how a
-    completion reaches its own lifecycle and nothing is looked up by request id.
+    sets on delivery (``seq`` numbers the core's submissions in order). The transfer
+    holds the lifecycle that issued it: that is how a completion reaches its own
+    lifecycle and nothing is looked up by request id.
     Backends read ``device_pages``, ``host_pages``, ``stream`` and ``ready`` (what the
     copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``);
     nothing else.
