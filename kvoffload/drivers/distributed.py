@@ -266,7 +266,7 @@ class RankAgreement:
         a[_SEQ], a[_SEQ + 1], a[_INFLIGHT], a[_INFLIGHT + 1] = seq, -seq, inflight, -inflight
         admitted = core.counters.admitted
         a[_WRITES], a[_WRITES + 1], a[_ADMITTED], a[_ADMITTED + 1] = writes, -writes, admitted, -admitted
-        a[_LIMIT] = _NO_LIMIT if limit is None else limit
+        a[_LIMIT] = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
         a[_ELAPSED] = max(0, int((self._local_clock() - self._origin) * 1e6))
         a[_LATE] = -int(late)
         a[_PAYLOAD] = payload
@@ -310,28 +310,24 @@ class RankAgreement:
         return agreed
 
     def _take_agreed(self, window: list[Transfer], jobs: list[WriteJob], limit: int, out: Agreed) -> None:
+        import numpy as np
+
         a = self._a
         base = HEADER
-        for i, t in enumerate(window):
-            if len(out.copies) >= limit:
-                break
-            code = a[base + i]
-            if code == _WAITING:
-                continue
-            t, error = self.copies.pop(t.seq)  # held here: the MIN is above 0
-            if code == _FAILED and error is None:
+        codes = a[base : base + len(window)]
+        for i in np.flatnonzero(codes)[:limit].tolist():  # seq order
+            t, error = self.copies.pop(window[i].seq)  # held here: the MIN is above 0
+            if codes[i] == _FAILED and error is None:
                 error = BackendError(
                     f"the copy of {t!r} (seq {t.seq}) failed on another rank: under tensor parallelism "
                     "a chunk that fails on one rank fails on every rank"
                 )
             out.copies.append((t, error))
         base += self.window
-        for i, job in enumerate(jobs):
-            code = a[base + i]
-            if code == _WAITING:
-                continue
-            job, stored, attempts, error = self.writes.pop(job.id)
-            if code == _FAILED and stored:
+        codes = a[base : base + len(jobs)]
+        for i in np.flatnonzero(codes).tolist():
+            job, stored, attempts, error = self.writes.pop(jobs[i].id)
+            if codes[i] == _FAILED and stored:
                 stored = False
                 error = StorageError(f"the storage write of {job!r} failed on another rank")
             out.writes.append((job, stored, attempts, error))
