@@ -19,7 +19,16 @@ from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.workload import WorkloadSpec
 
-__all__ = ["check_workload", "choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+__all__ = [
+    "build_report",
+    "check_workload",
+    "describe_error",
+    "choose_backend",
+    "choose_store",
+    "print_summary",
+    "run_simulation",
+    "simulate",
+]
 
 
 def choose_backend(name: str = "auto") -> str:
@@ -134,10 +143,10 @@ async def simulate(
             try:
                 await sched.run()
             except Exception as exc:
-                error = _describe(exc)
+                error = describe_error(exc)
             result = sched.result
     except Exception as exc:  # DrainTimeout, or an error of a background task
-        error = error or _describe(exc)
+        error = error or describe_error(exc)
     finally:
         if bar is not None:
             bar[0].stop()
@@ -159,7 +168,7 @@ async def simulate(
     from kvoffload.storage._url import redact
 
     shown = redact(store_desc or str(storage))  # F23: a URL handed in directly is shown redacted too
-    return _report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
+    return build_report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
 
 
 def run_simulation(
@@ -176,13 +185,13 @@ def run_simulation(
     return asyncio.run(simulate(spec, config, backend, storage, store_desc, progress=progress, trace=trace))
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """``Type: message`` of a kvoffload error, looking inside exception groups; any
     other exception is a bug of this program and propagates."""
     from kvoffload.errors import KVOffloadError
 
     if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions)
+        return "; ".join(describe_error(e) for e in exc.exceptions)
     if isinstance(exc, KVOffloadError):
         return f"{type(exc).__name__}: {exc}"
     raise exc
@@ -204,7 +213,7 @@ def _progress(total: int) -> tuple[Any, Any]:
     return p, p.add_task("requests", total=total)
 
 
-def _report(
+def build_report(
     spec: WorkloadSpec,
     config: OffloadConfig,
     backend: str,
@@ -215,6 +224,9 @@ def _report(
     error: str | None,
     faulty: Any,
 ) -> dict[str, Any]:
+    """The summary dict of one run (what ``--json`` writes): from the run's
+    configuration, the scheduler's result, the monitor, the final statistics, the error
+    (None: the ledger balanced) and the (faulty) backend."""
     from kvoffload.workload import percentiles
 
     wall = max(r.wall_s, 1e-9)
@@ -314,6 +326,15 @@ def print_summary(report: dict[str, Any], console: Any = None) -> None:
         f"{lc['misdelivered']} misdelivered",
     )
     t.add_row("watchdog", f"{report['watchdog']['stuck_reports']} stuck reports")
+    tp = report.get("tp")
+    if tp is not None:
+        t.add_row(
+            "tensor parallel",
+            f"{tp['ranks']} ranks (gloo, keys {tp['keys']}): every ledger balanced: "
+            f"{'yes' if tp['ledgers_balanced'] else 'NO'}; release sequences identical: "
+            f"{'yes' if tp['identical_releases'] else 'NO'} ({tp['released']} releases in "
+            f"{tp['release_steps']} steps); copy failures injected per rank: {tp['injected']}",
+        )
     led = report["ledger"]
     t.add_row(
         "ledger",

@@ -194,7 +194,11 @@ class LocalRanks:
     def __enter__(self) -> LocalRanks:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        self._stop()  # leaving on an error (a stop signal): the ranks may be mid-run
         self.close()
 
 
