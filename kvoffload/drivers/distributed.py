@@ -83,6 +83,17 @@ _WAITING, _FAILED, _DONE = 0, 1, 2
 _NO_LIMIT = 1 << 62
 
 
+def _failed_elsewhere(t: Transfer) -> BackendError:
+    return BackendError(
+        f"the copy of {t!r} (seq {t.seq}) failed on another rank: under tensor parallelism a chunk "
+        "that fails on one rank fails on every rank"
+    )
+
+
+def _write_code(held: WriteResult | None) -> int:
+    return _WAITING if held is None else _DONE if held[1] else _FAILED
+
+
 class Agreed(NamedTuple):
     """What one collective call agreed: the copies and writes to deliver (every rank
     the same ones, in ``seq`` order), whether a deadline passed on any rank, and the
@@ -167,6 +178,8 @@ class RankAgreement:
         self.copies_here = self.per_rank_keys or self.rank == 0
         self._buf = torch.zeros(HEADER + 2 * self.window, dtype=torch.int64)
         self._a = self._buf.numpy()  # the same memory: filled and read without torch ops
+        # _named: how many copy and write slots the last call named (the rest are 0).
+        self._named = (0, 0)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stubs: RedOpType
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -217,9 +230,7 @@ class RankAgreement:
 
     def hold_copies(self, batch: list[Completion]) -> None:
         """Completions this rank's backend signalled: held until every rank has them."""
-        copies = self.copies
-        for c in batch:
-            copies[c[0].seq] = c
+        self.copies.update({c[0].seq: c for c in batch})
 
     def hold_writes(self, results: list[WriteResult]) -> None:
         """Storage writes this rank finished: held until every rank finished them."""
@@ -257,40 +268,53 @@ class RankAgreement:
                 raise type(self.failed)(f"{self.failed} [an earlier collective failed; close() the manager]")
             solo = True
         a = self._a
-        n = self.window
-        delivers = kind in _DELIVERS
-        window = list(itertools.islice(core.inflight.values(), n)) if delivers else []
-        jobs = list(itertools.islice(core.writes.values(), n)) if delivers else []
-        a[_KIND], a[_KIND + 1] = kind, -kind
         seq, inflight, writes = core.next_seq, len(core.inflight), len(core.writes)
-        a[_SEQ], a[_SEQ + 1], a[_INFLIGHT], a[_INFLIGHT + 1] = seq, -seq, inflight, -inflight
         admitted = core.counters.admitted
-        a[_WRITES], a[_WRITES + 1], a[_ADMITTED], a[_ADMITTED + 1] = writes, -writes, admitted, -admitted
-        a[_LIMIT] = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
-        a[_ELAPSED] = max(0, int((self._local_clock() - self._origin) * 1e6))
-        a[_LATE] = -int(late)
-        a[_PAYLOAD] = payload
-        a[HEADER:] = _WAITING
-        if self.copies:
+        elapsed = max(0, int((self._local_clock() - self._origin) * 1e6))
+        lim = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
+        a[:HEADER] = [
+            *(kind, -kind, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
+            *(lim, elapsed, -int(late), payload),
+        ]
+        # A slot this rank holds nothing for is 0 here, so 0 after the MIN: only the
+        # transfers (writes) this rank finished need naming, and only if it holds some.
+        delivers = kind in _DELIVERS
+        window: list[Transfer] = []
+        if delivers and self.copies:
             held = self.copies
-            for i, t in enumerate(window):
-                c = held.get(t.seq)
-                if c is not None:
-                    a[HEADER + i] = _DONE if c[1] is None else _FAILED
-        if self.writes:
+            window = list(itertools.islice(core.inflight.values(), self.window))
+            get = held.get
+            a[HEADER : HEADER + len(window)] = [
+                _WAITING if (c := get(t.seq)) is None else _DONE if c[1] is None else _FAILED for t in window
+            ]
+        jobs: list[WriteJob] = []
+        base = HEADER + self.window
+        if delivers and self.writes:
             done = self.writes
-            for i, job in enumerate(jobs, HEADER + n):
-                r = done.get(job.id)
-                if r is not None:
-                    a[i] = _DONE if r[1] else _FAILED
+            jobs = list(itertools.islice(core.writes.values(), self.window))
+            a[base : base + len(jobs)] = [_write_code(done.get(j.id)) for j in jobs]
+        self._clear(len(window), len(jobs))
         if not solo:
             self._all_reduce(kind)
-            self._check_replicas(kind)
-        self.now = max(self.now, int(a[_ELAPSED]) / 1e6)
-        agreed = Agreed([], [], bool(a[_LATE]), int(a[_PAYLOAD]))
-        if delivers:
-            self._take_agreed(window, jobs, int(a[_LIMIT]), agreed)
+        h = a[:HEADER].tolist()
+        if not solo:
+            self._check_replicas(kind, h)
+        self.now = max(self.now, h[_ELAPSED] / 1e6)
+        agreed = Agreed([], [], bool(h[_LATE]), h[_PAYLOAD])
+        if window or jobs:
+            self._take_agreed(window, jobs, h[_LIMIT], agreed)
         return agreed
+
+    def _clear(self, copies: int, writes: int) -> None:
+        """Zero the slots named last time and not this time (the MIN keeps a zero a
+        zero, so the rest of the buffer is zero already)."""
+        a = self._a
+        if copies < self._named[0]:
+            a[HEADER + copies : HEADER + self._named[0]] = _WAITING
+        base = HEADER + self.window
+        if writes < self._named[1]:
+            a[base + writes : base + self._named[1]] = _WAITING
+        self._named = (copies, writes)
 
     def agree_count(self, kind: int, core: OffloadCore, read: Callable[[], int]) -> int:
         """``read()`` this rank's count (pages found by a lookup or fetch), then agree on
@@ -310,24 +334,24 @@ class RankAgreement:
         return agreed
 
     def _take_agreed(self, window: list[Transfer], jobs: list[WriteJob], limit: int, out: Agreed) -> None:
-        import numpy as np
-
         a = self._a
-        base = HEADER
-        codes = a[base : base + len(window)]
-        for i in np.flatnonzero(codes)[:limit].tolist():  # seq order
-            t, error = self.copies.pop(window[i].seq)  # held here: the MIN is above 0
-            if codes[i] == _FAILED and error is None:
-                error = BackendError(
-                    f"the copy of {t!r} (seq {t.seq}) failed on another rank: under tensor parallelism "
-                    "a chunk that fails on one rank fails on every rank"
-                )
-            out.copies.append((t, error))
-        base += self.window
-        codes = a[base : base + len(jobs)]
-        for i in np.flatnonzero(codes).tolist():
+        pop, take = self.copies.pop, out.copies.append
+        for i, code in enumerate(a[HEADER : HEADER + len(window)].tolist()):  # seq order
+            if not code:
+                continue
+            if limit <= 0:
+                break
+            limit -= 1
+            c = pop(window[i].seq)  # held here: the MIN is above 0
+            if code == _FAILED and c[1] is None:
+                c = (c[0], _failed_elsewhere(c[0]))
+            take(c)
+        base = HEADER + self.window
+        for i, code in enumerate(a[base : base + len(jobs)].tolist()):
+            if not code:
+                continue
             job, stored, attempts, error = self.writes.pop(jobs[i].id)
-            if codes[i] == _FAILED and stored:
+            if code == _FAILED and stored:
                 stored = False
                 error = StorageError(f"the storage write of {job!r} failed on another rank")
             out.writes.append((job, stored, attempts, error))
@@ -345,16 +369,15 @@ class RankAgreement:
                 )
             ) from exc
 
-    def _check_replicas(self, kind: int) -> None:
-        a = self._a
+    def _check_replicas(self, kind: int, h: list[int]) -> None:
         problems = []
-        lo, hi = int(a[_KIND]), -int(a[_KIND + 1])
+        lo, hi = h[_KIND], -h[_KIND + 1]
         if lo != hi:
             problems.append(
                 f"the ranks called different collectives ({KIND_NAMES[lo]}() and {KIND_NAMES[hi]}())"
             )
         for i, what in _CHECKED:
-            lo, hi = int(a[i]), -int(a[i + 1])
+            lo, hi = h[i], -h[i + 1]
             if lo != hi:
                 problems.append(f"{what} differ across ranks ({lo} to {hi})")
         if problems:
