@@ -33,7 +33,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
-from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError
+from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
 from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
@@ -150,8 +150,9 @@ class SyncOffloadManager(DriverBase):
         stop: live lifecycles are aborted (the idle ones released now, ``on_released``
         called), the backend's and writer's threads end. With a group it is a
         collective: the ranks drain together and time out together (the timeout is
-        agreed: passed on any rank); after a :class:`~kvoffload.RankTimeout` this rank
-        drains its own copies alone.
+        agreed: passed on any rank). If the group fails (:class:`~kvoffload.RankTimeout`,
+        :class:`~kvoffload.RanksDiverged`), before or during the drain, this rank drains
+        its own copies alone and stops; a failure during it is raised at the end.
 
         Raises :class:`~kvoffload.DrainTimeout` (within the timeout plus a second) naming
         the wedged copies; their buffers are parked, never freed, and their lifecycles
@@ -167,7 +168,12 @@ class SyncOffloadManager(DriverBase):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         core = self.core
-        timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+        group_error: KVOffloadError | None = None
+        try:
+            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+        except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
+            group_error = exc  # finish it with this rank's own copies, then say so
+            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
         message = self._drain_error("closed the manager", timeout) if timed_out else None
         if timed_out:
             logger.error(
@@ -196,7 +202,9 @@ class SyncOffloadManager(DriverBase):
             detail = self._park()
             message = f"{message}; {detail}" if message else f"closed the manager after {timeout}s: {detail}"
         if message is not None and raise_timeout:
-            raise DrainTimeout(message)
+            raise DrainTimeout(message) from group_error
+        if group_error is not None and raise_timeout:
+            raise group_error
 
     # --- driving -------------------------------------------------------------------------
 

@@ -353,3 +353,31 @@ def diverged_admissions(ctx: RankContext) -> list[str]:
             out.append(str(exc))
     mgr.close()
     return out
+
+
+def close_while_others_poll(ctx: RankContext) -> dict[str, Any]:
+    """Rank 0 closes while rank 1 polls, each with a copy finished here: both raise
+    RanksDiverged, and rank 0's close still completes (its own copies delivered, the
+    manager closed); rank 1 then closes alone."""
+    backend = SimBackend()
+    mgr = kvo.SyncOffloadManager(config(), backend=backend, group=ctx.group)
+    mgr.open()
+    lc = mgr.admit("a", [1, 2, 3, 4])
+    lc.extend([5, 6, 7, 8])
+    lc.finish()
+    mgr.poll()
+    backend.complete_all()
+    out: dict[str, Any] = {}
+    try:
+        if ctx.rank == 0:
+            mgr.close()
+        else:
+            mgr.poll()
+        out["call"] = "returned"
+    except kvo.RanksDiverged as exc:
+        out["call"] = f"RanksDiverged: {exc}"
+    if ctx.rank == 1:
+        mgr.close()
+    out["state"] = lc.state.name
+    out["closed"] = mgr.statistics().device_pages_used == 0 and not mgr._open
+    return out

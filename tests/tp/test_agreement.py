@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from _rank_scenarios import (
     check_agreement,
+    close_while_others_poll,
     diverged_admissions,
     mismatched_calls,
     play,
@@ -206,6 +207,17 @@ def test_ranks_in_different_collectives_raise_ranks_diverged_on_every_rank(
     calls; nothing hangs."""
     results = ranks(2).run(mismatched_calls)
     assert all(r.startswith("RanksDiverged") and "poll() and quiesce()" in r for r in results), results
+
+
+def test_a_rank_that_closes_while_the_others_poll_still_closes_and_both_are_told(
+    ranks: Callable[[int], LocalRanks],
+) -> None:
+    """close() on rank 0 meets poll() on rank 1: RanksDiverged on both; rank 0's close
+    finishes alone (its finished copy delivered, pages back, the manager closed), and
+    so does rank 1's later close - nothing left half open."""
+    results = ranks(2).run(close_while_others_poll)
+    assert all("close() and poll()" in r["call"] or "poll() and close()" in r["call"] for r in results)
+    assert all(r["state"] == "RELEASED" and r["closed"] for r in results), results
 
 
 def test_ranks_that_admitted_differently_are_told_so_in_the_next_poll(
