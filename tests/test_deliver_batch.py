@@ -166,3 +166,28 @@ def test_a_completion_named_twice_or_unknown_stops_the_batch_with_the_ledger_con
         core.complete([(tc, None)])
     core.check_invariants()
     assert core.counters.completions_delivered == 3
+
+
+def test_completions_delivered_counts_deliveries_when_they_pump_deferred_chunks() -> None:
+    """One completion returns two host pages, and two deferred chunks (on_host_full=
+    "wait") go out from inside that delivery: completions_delivered is 1, not the change
+    in copies in flight (-1, which check_invariants flagged as a negative counter)."""
+    cfg = kvo.OffloadConfig(
+        page_size=4, stride=4, device_pages=64, host_pages=2, on_host_full="wait", host_wait_s=30
+    )
+    jobs: list[Transfer] = []
+    args = (cfg.page_size, cfg.kv_shape, cfg.dtype)
+    core = OffloadCore(
+        cfg,
+        device_pool=DevicePool.create(cfg.device_pages, *args),
+        host_pool=HostPool.create(cfg.host_pages, *args),
+        accept=jobs.append,
+    )
+    a, b, c = (core.admit(r, prompt=[1, 2, 3, 4]) for r in "abc")
+    a.extend(list(range(8)))  # both host pages
+    b.extend([1, 2, 3, 4])
+    c.extend([1, 2, 3, 4])
+    assert b.deferred and c.deferred and len(core.inflight) == 1
+    core.complete([(jobs[0], None)])
+    assert len(core.inflight) == 2 and core.counters.completions_delivered == 1
+    core.check_invariants()

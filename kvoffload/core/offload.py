@@ -515,11 +515,11 @@ class OffloadCore:
         and those after it are not applied (still in flight: deliver them again; the
         drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
-        n = len(self.inflight)
+        n, seq = len(self.inflight), self.next_seq
         try:
             self._deliver_all(batch, self.clock() if now is None else now)
-        finally:
-            self.counters.completions_delivered += n - len(self.inflight)
+        finally:  # what left flight, plus what the batch's returned host pages submitted
+            self.counters.completions_delivered += n - len(self.inflight) + self.next_seq - seq
         return self._take_released()
 
     def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
