@@ -75,8 +75,8 @@ def decode_steps(requests: list[tuple[int, int, int, bool]], per_step: int) -> l
 @st.composite
 def tp_schedules(draw: st.DrawFn) -> dict[str, Any]:
     """A schedule every rank replays - a decode loop's ops per round with stray ops
-    mixed in, max_completions per round, the chance a copy fails, the host-pool policy
-    and storage - and a seed from which each rank draws its own completion order and
+    mixed in, max_completions per round, the chance a copy fails, the host-pool policy,
+    the agreement's window and storage - and a seed from which each rank draws its own completion order and
     rounds."""
     requests = draw(st.lists(REQUESTS, min_size=1, max_size=6))
     steps = decode_steps(requests, draw(st.integers(1, 4)))
@@ -94,6 +94,7 @@ def tp_schedules(draw: st.DrawFn) -> dict[str, Any]:
             "on_host_full": policy,
             "host_wait_s": 0.005,
             "host_pages": draw(st.sampled_from([2, 16])),
+            "tp_window": draw(st.sampled_from([64, 2])),  # 2: more in flight than the window
         },
         "storage": draw(st.sampled_from([None, "memory"])),
     }
