@@ -21,7 +21,7 @@ from kvoffload.simulate_tp import check_ranks
 SMALL = [
     "simulate", "--requests", "30", "--prompt-mean", "40", "--output-mean", "24", "--page-size", "4",
     "--stride", "8", "--step-ms", "0", "--copy-delay-ms", "2", "--arrival-rate", "2000",
-    "--no-progress", "--fail", "0.1", "--backend", "sim",
+    "--no-progress", "--fail", "0.1",
 ]  # fmt: skip
 
 
@@ -34,13 +34,17 @@ def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     return code, out, err
 
 
+@pytest.mark.parametrize("backend", ["sim", "cpu"])
 def test_simulate_tp_prints_one_summary_and_checks_the_ranks_agreed(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Two ranks, each failing its own 10% of copies: exit 0, one summary with the
-    tensor-parallel row, every ledger balanced, identical release sequences; every
-    request released once, FAILED where some rank's copy failed."""
-    code, out, err = run([*SMALL, "--tp", "2", "--json", str(tmp_path / "s.json")], capsys)
+    """Two ranks, each failing its own 10% of copies (sim: each rank's copies end after
+    its own random number of steps; cpu: real copies on each rank's threads, into one
+    file store): exit 0, one summary with the tensor-parallel row, every ledger balanced,
+    identical release sequences; every request released once, FAILED where some rank's
+    copy failed."""
+    argv = [*SMALL, "--backend", backend, "--tp", "2", "--json", str(tmp_path / "s.json")]
+    code, out, err = run(argv, capsys)
     assert code == 0, out + err
     assert out.count("kvoffload simulate") == 1 and "tensor parallel" in out
     report = json.loads((tmp_path / "s.json").read_text())
