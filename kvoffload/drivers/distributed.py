@@ -63,8 +63,14 @@ __all__ = ["HEADER", "RankAgreement", "check_group", "join_group"]
 
 # The kinds of collective call (the header's first field: ranks must be in the same one).
 POLL, QUIESCE, WAIT, CLOSE, LOOKUP, FETCH = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {POLL: "poll", QUIESCE: "quiesce", WAIT: "wait_released", CLOSE: "close", LOOKUP: "lookup"}
-KIND_NAMES[FETCH] = "fetch"
+KIND_NAMES = {
+    POLL: "poll",
+    QUIESCE: "quiesce",
+    WAIT: "wait_released",
+    CLOSE: "close",
+    LOOKUP: "lookup",
+    FETCH: "fetch",
+}
 _DELIVERS = (POLL, QUIESCE, WAIT, CLOSE)
 
 # Header slots. A pair (x, -x) gives min and max from the one MIN.
