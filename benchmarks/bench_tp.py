@@ -20,6 +20,7 @@ import datetime
 import statistics
 import sys
 import time
+from typing import Any
 
 import kvoffload as kvo
 from kvoffload._testing.ranks import LocalRanks, RankContext
@@ -47,14 +48,25 @@ def _median_us(xs: list[float]) -> float:
 
 
 class TimedAgreement(RankAgreement):
-    """The real agreement, timing its all-reduce: a poll's own cost is its time less this."""
+    """The real agreement, timing its all-reduce: a poll's own cost is its time less this.
+    ``block_s`` (the control run, on a one-rank group): block that long where the
+    all-reduce would run, instead of running it."""
 
     spent = 0.0  # wall seconds in the all-reduce
     spent_cpu = 0.0  # this thread's CPU seconds in it
+    block_s = 0.0
+
+    def exchange(self, *args: Any, **kwargs: Any) -> Any:
+        if self.block_s:
+            self.size = 2  # take the all-reduce path (which blocks instead)
+        return super().exchange(*args, **kwargs)
 
     def _all_reduce(self, kind: int) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
-        super()._all_reduce(kind)
+        if self.block_s:
+            time.sleep(self.block_s)
+        else:
+            super()._all_reduce(kind)
         self.spent += time.perf_counter() - t0
         self.spent_cpu += time.thread_time() - c0
 
@@ -63,12 +75,16 @@ class TimedManager(kvo.SyncOffloadManager):
     _agreement_class = TimedAgreement
 
 
-def measure(ctx: RankContext | None, polls: int) -> dict[str, float]:
-    """On one rank (``ctx`` None: one process, no group): median µs per call of each case."""
+def measure(ctx: RankContext | None, polls: int, solo: float | None = None) -> dict[str, float]:
+    """On one rank: median µs per call of each case. ``ctx`` None: one process, with no
+    group (``solo`` None) or a one-rank gloo group (``solo`` 0: no all-reduce runs;
+    ``solo`` > 0: the poll blocks that many seconds where the all-reduce would run)."""
     import torch
     import torch.distributed as dist
 
     group = None if ctx is None else ctx.group
+    if solo is not None:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=60))
     window = kvo.OffloadConfig(page_size=1, stride=1, device_pages=1, host_pages=1).tp_window
     buf = torch.zeros(HEADER + 2 * window, dtype=torch.int64)
     opts = dist.AllreduceOptions()
@@ -76,13 +92,15 @@ def measure(ctx: RankContext | None, polls: int) -> dict[str, float]:
     opts.timeout = datetime.timedelta(seconds=60)
 
     def barrier() -> None:
-        if group is not None:
+        if ctx is not None:
             group.allreduce([buf], opts).wait()
 
     backend = SimBackend()
     mgr = TimedManager(cfg(polls), backend=backend, group=group).open()
     tp = mgr._tp
     assert (tp is None) == (group is None)
+    if isinstance(tp, TimedAgreement) and solo:
+        tp.block_s = solo
 
     def timed_poll(total: list[float], own: list[float], cpu: list[float]) -> int:
         timed = isinstance(tp, TimedAgreement)
@@ -110,7 +128,7 @@ def measure(ctx: RankContext | None, polls: int) -> dict[str, float]:
         mgr.poll()  # they start
         barrier()
         timed_poll(idle, idle_own, idle_cpu)  # nothing finished anywhere
-        if group is not None:
+        if ctx is not None:
             barrier()
             t0 = time.perf_counter()
             group.allreduce([buf], opts).wait()
@@ -142,8 +160,12 @@ def main(polls: int = 300) -> None:
     cpus = os.cpu_count()
     print(f"bench_tp: poll() under tensor parallelism, gloo on loopback, {cpus} CPU(s), load {load:.2f}")
     print(f"medians over {polls} polls of each kind, rank 0 [the slowest rank]; target <= {TARGET_US:.0f} µs")
-    solo = measure(None, polls)
-    print(f"no group:  nothing ready {solo['idle']:7.1f} µs    64 ready {solo['ready']:7.1f} µs")
+    for label, solo in (("no group", None), ("1-rank group", 0.0), ("1-rank, 0.5 ms block", 5e-4)):
+        r = measure(None, polls, solo)
+        print(
+            f"{label + ':':<22}nothing ready {r['idle']:7.1f} µs ({r['idle_own']:6.1f} its own)   "
+            f"64 ready {r['ready']:7.1f} µs ({r['ready_own']:6.1f} its own)"
+        )
     print(
         f"{'ranks':>5}  {'case':<21}{'poll µs':>17}{'all-reduce µs':>18}"
         f"{'kvoffload µs':>17}{'(its CPU µs)':>15}  target"
@@ -166,7 +188,9 @@ def main(polls: int = 300) -> None:
     print(
         "all-reduce: gloo's all-reduce inside the poll; kvoffload: the rest of the poll (holding "
         "completions, filling and reading the agreement, delivering), wall time and this thread's "
-        "CPU time (the slowest rank's). Timed apart in every call."
+        "CPU time (the slowest rank's). Timed apart in every call. '1-rank, 0.5 ms block': the same "
+        "poll with a 0.5 ms sleep where the all-reduce runs, no other process: what the same work "
+        "costs after the thread blocked (cold caches)."
     )
 
 
