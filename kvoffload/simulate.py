@@ -28,6 +28,7 @@ __all__ = [
     "print_summary",
     "run_simulation",
     "simulate",
+    "verdict",
 ]
 
 
@@ -116,7 +117,6 @@ async def simulate(
     """
     from kvoffload.backends import resolve_backend
     from kvoffload.drivers.asyncio import OffloadManager
-    from kvoffload.errors import KVOffloadError
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
     from kvoffload.workload import FaultyBackend, RunMonitor, plan
@@ -151,24 +151,37 @@ async def simulate(
         if bar is not None:
             bar[0].stop()
     stats = mgr.statistics()
-    if error is None:
-        try:
-            mgr.check_invariants()
-        except KVOffloadError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    if error is None and monitor.misdelivered:
-        error = f"{monitor.misdelivered} completions reached a lifecycle that did not submit them"
-    if error is None and (stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used):
-        error = (
-            f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
-            f"{stats.host_pages_used} host pages still held after the run"
-        )
+    error = verdict(mgr, monitor, error)
     if recorder is not None and not isinstance(trace, TraceRecorder):
         recorder.write(Path(trace))
     from kvoffload.storage._url import redact
 
     shown = redact(store_desc or str(storage))  # F23: a URL handed in directly is shown redacted too
     return build_report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
+
+
+def verdict(mgr: Any, monitor: Any, error: str | None) -> str | None:
+    """What went wrong in a finished run of ``mgr`` (either driver), or ``None``: the
+    run's own ``error`` first, else a ledger that does not balance, a completion that
+    reached a lifecycle that did not submit it (``monitor``, a
+    :class:`~kvoffload.workload.RunMonitor`), or lifecycles and pages still held."""
+    from kvoffload.errors import KVOffloadError
+
+    if error is not None:
+        return error
+    try:
+        mgr.check_invariants()
+    except KVOffloadError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if monitor.misdelivered:
+        return f"{monitor.misdelivered} completions reached a lifecycle that did not submit them"
+    stats = mgr.statistics()
+    if stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used:
+        return (
+            f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
+            f"{stats.host_pages_used} host pages still held after the run"
+        )
+    return None
 
 
 def run_simulation(

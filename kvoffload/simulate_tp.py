@@ -139,8 +139,7 @@ def run_rank(
         )
     from kvoffload.backends import resolve_backend
     from kvoffload.drivers.sync import SyncOffloadManager
-    from kvoffload.errors import KVOffloadError
-    from kvoffload.simulate import build_report, describe_error
+    from kvoffload.simulate import build_report, describe_error, verdict
     from kvoffload.workload import FaultyBackend, RunMonitor, plan
 
     faulty = FaultyBackend(resolve_backend(backend), spec.fail, spec.seed * 7919 + ctx.rank)
@@ -165,13 +164,7 @@ def run_rank(
     except Exception as exc:
         error = error or describe_error(exc)
     stats = mgr.statistics()
-    if error is None:
-        try:
-            mgr.check_invariants()
-        except KVOffloadError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    if error is None and (stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used):
-        error = f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device pages held"
+    error = verdict(mgr, monitor, error)
     report = build_report(
         spec, config, faulty.name, str(storage), sched.result, monitor, stats, error, faulty
     )

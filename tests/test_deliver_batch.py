@@ -18,14 +18,16 @@ from kvoffload.pools import DevicePool, HostPool
 CONFIG = kvo.OffloadConfig(page_size=4, stride=4, device_pages=64, host_pages=64)
 
 
-def make_core(storage: bool = False) -> tuple[OffloadCore, list[Transfer]]:
+def make_core(
+    storage: bool = False, config: kvo.OffloadConfig = CONFIG
+) -> tuple[OffloadCore, list[Transfer]]:
     """A bare core whose copy jobs go to a list (nothing copies: the test delivers)."""
     jobs: list[Transfer] = []
-    args = (CONFIG.page_size, CONFIG.kv_shape, CONFIG.dtype)
+    args = (config.page_size, config.kv_shape, config.dtype)
     core = OffloadCore(
-        CONFIG,
-        device_pool=DevicePool.create(CONFIG.device_pages, *args),
-        host_pool=HostPool.create(CONFIG.host_pages, *args),
+        config,
+        device_pool=DevicePool.create(config.device_pages, *args),
+        host_pool=HostPool.create(config.host_pages, *args),
         accept=jobs.append,
         storage=storage,
     )
@@ -175,14 +177,7 @@ def test_completions_delivered_counts_deliveries_when_they_pump_deferred_chunks(
     cfg = kvo.OffloadConfig(
         page_size=4, stride=4, device_pages=64, host_pages=2, on_host_full="wait", host_wait_s=30
     )
-    jobs: list[Transfer] = []
-    args = (cfg.page_size, cfg.kv_shape, cfg.dtype)
-    core = OffloadCore(
-        cfg,
-        device_pool=DevicePool.create(cfg.device_pages, *args),
-        host_pool=HostPool.create(cfg.host_pages, *args),
-        accept=jobs.append,
-    )
+    core, jobs = make_core(config=cfg)
     a, b, c = (core.admit(r, prompt=[1, 2, 3, 4]) for r in "abc")
     a.extend(list(range(8)))  # both host pages
     b.extend([1, 2, 3, 4])

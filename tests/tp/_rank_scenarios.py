@@ -204,15 +204,21 @@ def check_agreement(results: list[dict[str, Any]]) -> None:
 # --- small scenarios ---------------------------------------------------------------------
 
 
+def _one_copy(ctx: RankContext, **changes: Any) -> tuple[SimBackend, kvo.SyncOffloadManager, kvo.Lifecycle]:
+    """An open manager on this rank's group whose one lifecycle has a copy started."""
+    backend = SimBackend()
+    mgr = kvo.SyncOffloadManager(config(**changes), backend=backend, group=ctx.group)
+    mgr.open()
+    lc = mgr.admit("a", [1, 2, 3, 4])
+    lc.extend([5, 6, 7, 8])
+    return backend, mgr, lc
+
+
 def quiesce_timeout(ctx: RankContext, timeouts: list[float | None]) -> dict[str, Any]:
     """A copy that one rank never finishes; each rank calls quiesce with its own timeout
     (``timeouts[rank]``, None: for ever). Returns what quiesce did here, and after the
     copy finishes, whether quiesce returned."""
-    backend = SimBackend()
-    mgr = kvo.SyncOffloadManager(config(), backend=backend, group=ctx.group)
-    mgr.open()
-    lc = mgr.admit("a", [1, 2, 3, 4])
-    lc.extend([5, 6, 7, 8])
+    backend, mgr, _ = _one_copy(ctx)
     mgr.poll()
     if ctx.rank == 0:
         backend.complete_all()  # rank 1's copy stays in flight
@@ -278,13 +284,7 @@ def stop_polling(ctx: RankContext, how: str) -> dict[str, Any]:
     type, whether the lifecycle kept its pages, what a second poll and close did."""
     import os
 
-    backend = SimBackend()
-    mgr = kvo.SyncOffloadManager(
-        config(tp_timeout_s=1.0, drain_timeout_s=2), backend=backend, group=ctx.group
-    )
-    mgr.open()
-    lc = mgr.admit("a", [1, 2, 3, 4])
-    lc.extend([5, 6, 7, 8])
+    backend, mgr, lc = _one_copy(ctx, tp_timeout_s=1.0, drain_timeout_s=2)
     lc.finish()
     mgr.poll()  # both ranks: the copies start
     if ctx.rank == 1:
@@ -293,31 +293,23 @@ def stop_polling(ctx: RankContext, how: str) -> dict[str, Any]:
         time.sleep(3.0)  # past rank 0's tp_timeout_s
     backend.complete_all()
     out: dict[str, Any] = {}
-    t0 = time.monotonic()
-    try:
-        mgr.poll()
-        out["first"] = "delivered"
-    except kvo.KVOffloadError as exc:
-        out["first"] = type(exc).__name__
-        out["message"] = str(exc)
-    out["waited"] = time.monotonic() - t0
+    out["first"], out["message"] = _attempt(mgr.poll, "delivered")
     out["state"] = lc.state.name
     out["pages_held"] = mgr.statistics().device_pages_used
-    try:
-        mgr.poll()
-        out["second"] = "delivered"
-    except kvo.KVOffloadError as exc:
-        out["second"] = type(exc).__name__
-    t0 = time.monotonic()
-    try:
-        mgr.close()
-        out["close"] = "closed"
-    except kvo.KVOffloadError as exc:
-        out["close"] = type(exc).__name__
-    out["close_s"] = time.monotonic() - t0
+    out["second"], _ = _attempt(mgr.poll, "delivered")
+    out["close"], _ = _attempt(mgr.close, "closed")
     out["after_close"] = lc.state.name
     out["pages_after_close"] = mgr.statistics().device_pages_used
     return out
+
+
+def _attempt(call: Any, ok: str) -> tuple[str, str]:
+    """(``ok``, "") if ``call()`` returns, else (the error's type name, its message)."""
+    try:
+        call()
+        return ok, ""
+    except kvo.KVOffloadError as exc:
+        return type(exc).__name__, str(exc)
 
 
 def mismatched_calls(ctx: RankContext) -> str:
@@ -359,11 +351,7 @@ def close_while_others_poll(ctx: RankContext) -> dict[str, Any]:
     """Rank 0 closes while rank 1 polls, each with a copy finished here: both raise
     RanksDiverged, and rank 0's close still completes (its own copies delivered, the
     manager closed); rank 1 then closes alone."""
-    backend = SimBackend()
-    mgr = kvo.SyncOffloadManager(config(), backend=backend, group=ctx.group)
-    mgr.open()
-    lc = mgr.admit("a", [1, 2, 3, 4])
-    lc.extend([5, 6, 7, 8])
+    backend, mgr, lc = _one_copy(ctx)
     lc.finish()
     mgr.poll()
     backend.complete_all()

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_cli
 
-from kvoffload.cli import main
 from kvoffload.simulate_tp import check_ranks
 
 SMALL = [
@@ -25,13 +25,7 @@ SMALL = [
 ]  # fmt: skip
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 @pytest.mark.parametrize("backend", ["sim", "cpu"])

@@ -151,6 +151,7 @@ def test_one_rank_group_delivers_as_the_plain_driver_does() -> None:
         runs.append(([lc.id for lc in released], [lc.outcome for lc in lcs], mgr.statistics().as_dict()))
         if group is not None:
             assert mgr._tp is not None and mgr._tp._buf.numel() == HEADER + 2 * mgr.config.tp_window
+            assert HEADER == 14  # as the docs and OffloadConfig.tp_window say
     assert runs[0][:2] == runs[1][:2]
     assert runs[0][2] == runs[1][2]
 
