@@ -178,7 +178,7 @@ def main(polls: int = 300) -> None:
             own, own_max = res[0][key + "_own"], max(r[key + "_own"] for r in res)
             cpu = max(r[key + "_cpu"] for r in res)
             verdict = "met" if worst <= TARGET_US else "NOT met"
-            gloo, gloo_max = mine - own, worst - own_max
+            gloo, gloo_max = mine - own, max(r[key] - r[key + "_own"] for r in res)
             print(
                 f"{size:>5}  {label:<21}{mine:>8.1f} [{worst:>6.1f}]{gloo:>9.1f} [{gloo_max:>6.1f}]"
                 f"{own:>8.1f} [{own_max:>6.1f}]{cpu:>15.1f}  {verdict}"
