@@ -41,8 +41,9 @@ class Transfer:
 
     Created by the core (owner thread) *after* its host pages were allocated, and
     immutable from then on except for ``completed_at`` and ``error``, which the core
-    sets on delivery. The transfer holds the lifecycle that issued it: that is how a
-    completion reaches its own lifecycle and nothing is looked up by request id.
+    sets on delivery (``seq`` numbers the core's submissions in order). The transfer
+    holds the lifecycle that issued it: that is how a completion reaches its own
+    lifecycle and nothing is looked up by request id.
     Backends read ``device_pages``, ``host_pages``, ``stream`` and ``ready`` (what the
     copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``);
     nothing else.
@@ -60,6 +61,7 @@ class Transfer:
         "n_tokens",
         "owned",
         "ready",
+        "seq",
         "stream",
         "submitted_at",
     )
@@ -90,6 +92,10 @@ class Transfer:
         # construction; a backend checks only transfers without it (check_fits).
         self.owned = owned
         self.ready: Any = ready
+        # seq: the core's submission number (0, 1, 2, ... per core): deterministic, so
+        # tensor-parallel ranks that made the same calls name a transfer alike (``id``
+        # comes from a process-wide counter and does not).
+        self.seq = 0
         self.completed_at: float | None = None
         self.error: BaseException | None = None
 

@@ -5,13 +5,16 @@ through the scheduler loop (:mod:`kvoffload.scheduler`) on the embedded defaults
 the ``cpu`` backend and the file store in a temporary directory when they are
 available, else the ``sim`` backend (the loop completes copies) and the memory
 store — shows a progress bar, prints a summary and exits non-zero if the ledger
-check fails. ``graph`` draws the lifecycle from its declaration.
+check fails. ``simulate --tp N`` runs the workload on N local tensor-parallel ranks
+(gloo) and also fails unless every rank's ledger balanced and every rank released the
+same lifecycles in the same steps. ``graph`` draws the lifecycle from its declaration.
 
 Exit codes: 0 ok; 1 an invariant failed (or a completion did not carry the keys or
-KV bytes that the lifecycle it reached committed); 2 bad options, or a workload that
-could never run (a request that can never fit the device pool); 3 a missing optional
-dependency; 130 / 143 stopped by SIGINT / SIGTERM (FAILURES F27): the run stops
-promptly, removes its temporary store, prints one line and no traceback.
+KV bytes that the lifecycle it reached committed, or tensor-parallel ranks disagreed
+or crashed); 2 bad options, or a workload that could never run (a request that can
+never fit the device pool); 3 a missing optional dependency; 130 / 143 stopped by
+SIGINT / SIGTERM (FAILURES F27): the run stops promptly (with --tp, its rank
+processes too), removes its temporary store, prints one line and no traceback.
 """
 
 from __future__ import annotations
@@ -96,6 +99,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--on-host-full", choices=("drop", "wait"), default="drop")
     c.add_argument("--stuck-after-ms", type=_nonneg, default=500.0, help="watchdog deadline")
     c.add_argument("--backend", default="auto", help="auto (cuda with a GPU, else cpu), cpu, cuda, sim")
+    c.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="run N local tensor-parallel ranks (gloo), check they agree (%(default)s: no group)",
+    )
+    c.add_argument(
+        "--tp-keys",
+        choices=("rank", "shared"),
+        default="rank",
+        help="with --tp: each rank stores its shard under its own keys, or rank 0 stores for all (MLA)",
+    )
     c.add_argument(
         "--store",
         default="auto",
@@ -193,6 +209,8 @@ def _simulate(args: argparse.Namespace) -> int:
     for path, opt in ((args.json, "--json"), (args.trace, "--trace")):
         if path is not None and not path.parent.is_dir():
             return _fail(EXIT_USAGE, f"{opt}: directory {path.parent} does not exist")
+    if args.tp > 1 and args.trace is not None:
+        return _fail(EXIT_USAGE, "--trace records one manager's timeline: it is not available with --tp")
     try:
         spec = WorkloadSpec(
             requests=args.requests,
@@ -215,6 +233,8 @@ def _simulate(args: argparse.Namespace) -> int:
             on_host_full=args.on_host_full,
             stuck_after_s=args.stuck_after_ms / 1000,
             watchdog_interval_s=max(0.001, min(0.1, args.stuck_after_ms / 4000)),
+            tp_size=args.tp,
+            tp_keys=args.tp_keys,
         )
         check_workload(spec, config)  # a request that could never be admitted would hang the run
         backend = choose_backend(args.backend)
@@ -225,6 +245,8 @@ def _simulate(args: argparse.Namespace) -> int:
             storage, store_desc = choose_store(args.store, stack)
         except ValueError as exc:
             return _fail(EXIT_USAGE, str(exc))
+        if args.tp > 1:
+            return _simulate_tp(args, spec, config, backend, storage, store_desc)
         from kvoffload.simulate import simulate
 
         report = _run_until_stopped(
@@ -239,6 +261,29 @@ def _simulate(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     if args.trace is not None:
         print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
+    return EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
+
+
+def _simulate_tp(
+    args: argparse.Namespace, spec: Any, config: Any, backend: str, storage: Any, desc: str
+) -> int:
+    """``simulate --tp N``: the ranks open the store themselves (a directory or a URL is
+    shared by them; "memory" is one per rank), so they get its name, not the instance."""
+    from kvoffload._testing.ranks import RanksFailed
+    from kvoffload.simulate import print_summary
+    from kvoffload.simulate_tp import simulate_tp
+
+    root = getattr(storage, "root", None)
+    where = None if storage is None else str(root) if root is not None else args.store
+    if where == "auto":
+        where = "memory"  # choose_store fell back to the memory store
+    try:
+        report = simulate_tp(spec, config, args.tp, backend, where, desc, log_level=args.log_level)
+    except RanksFailed as exc:
+        return _fail(EXIT_INVARIANT, f"a tensor-parallel rank failed: {exc}")
+    print_summary(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
     return EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
 
 

@@ -9,13 +9,15 @@ from typing import Literal
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["MIN_WATCHDOG_INTERVAL_S", "OffloadConfig", "physical_memory"]
+__all__ = ["MAX_TP_WINDOW", "MIN_WATCHDOG_INTERVAL_S", "OffloadConfig", "physical_memory"]
 
 #: Bytes per element of each dtype a pool may have.
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1, "int8": 1, "int32": 4}
 _DTYPES = tuple(_ITEMSIZE)
 #: The watchdog looks at most this often: an idle manager must not spin (1 ms).
 MIN_WATCHDOG_INTERVAL_S = 1e-3
+#: Largest ``tp_window``: the collective of every poll carries two slots per transfer.
+MAX_TP_WINDOW = 4096
 
 
 def physical_memory() -> int | None:
@@ -82,6 +84,27 @@ class OffloadConfig:
     ``chain_seed``. Managers of other namespaces on the same store never see these
     pages (FAILURES F22). ``None``: unseeded chains, SGLang's keys for requests without
     an ``extra_key``."""
+    tp_size: int | None = None
+    """Tensor parallelism: how many ranks the manager's ``group`` must have
+    (``SyncOffloadManager(group=)``). ``None``: any group, or none. Set it to the
+    engine's TP degree and a manager built without a group, or with a group of another
+    size, is refused instead of delivering on its own (FAILURES F25)."""
+    tp_keys: Literal["rank", "shared"] = "rank"
+    """Tensor parallelism: the storage key space. ``"rank"`` (the default, right for any
+    model): each rank copies and stores its own shard of a page under its own key, the
+    page key suffixed ``_<rank>_<size>`` (the TP part of SGLang HiCacheFile's suffix);
+    ``lookup`` and ``fetch`` count a page only when every rank has its shard.
+    ``"shared"``: the KV is the same on every rank (MLA): group rank 0 copies and
+    writes, the others copy nothing, and every rank reads the unsuffixed keys. Without
+    a group this has no effect."""
+    tp_timeout_s: float = 300.0
+    """Tensor parallelism: seconds one collective waits for the other ranks before
+    raising :class:`~kvoffload.RankTimeout` (a rank died or stopped polling). Finite:
+    nothing waits for ever."""
+    tp_window: int = 64
+    """Tensor parallelism: how many of the oldest in-flight copies (and of the oldest
+    storage writes) the ranks agree on in one poll. The collective carries
+    ``2 * tp_window + 14`` int64; completions beyond the window wait for a later poll."""
 
     def __post_init__(self) -> None:
         for name in ("page_size", "stride", "device_pages", "host_pages"):
@@ -133,6 +156,7 @@ class OffloadConfig:
                 self.namespace.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise ConfigError(f"namespace is not encodable as UTF-8: {exc}") from None
+        self._check_tp()
         ram = physical_memory()
         for name in ("device_pages", "host_pages") if self.device_pages is not None else ("host_pages",):
             size = getattr(self, name) * self.page_bytes
@@ -141,6 +165,21 @@ class OffloadConfig:
                     f"{name}={getattr(self, name)} is a pool of {size:,} bytes ({self.page_bytes:,} bytes a "
                     f"page), more than this machine's {ram:,} bytes of RAM"
                 )
+
+    def _check_tp(self) -> None:
+        if self.tp_size is not None and (type(self.tp_size) is not int or self.tp_size < 1):
+            raise ConfigError(f"tp_size must be None or an int >= 1, got {self.tp_size!r}")
+        if self.tp_keys not in ("rank", "shared"):
+            raise ConfigError(
+                f"tp_keys must be 'rank' (each rank stores its shard under its own keys) or 'shared' "
+                f"(KV identical on every rank, e.g. MLA: rank 0 writes, all read), got {self.tp_keys!r}"
+            )
+        v = self.tp_timeout_s
+        if not _number(v) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"tp_timeout_s must be a finite number > 0 (nothing waits for ever), got {v!r}")
+        w = self.tp_window
+        if type(w) is not int or not 1 <= w <= MAX_TP_WINDOW:
+            raise ConfigError(f"tp_window must be an int between 1 and {MAX_TP_WINDOW}, got {w!r}")
 
     @property
     def engine_owned(self) -> bool:

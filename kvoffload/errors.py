@@ -17,6 +17,8 @@ __all__ = [
     "MissingDependency",
     "PageError",
     "PoolExhausted",
+    "RankTimeout",
+    "RanksDiverged",
     "StorageError",
     "UnsupportedKVPool",
     "WrongThread",
@@ -90,6 +92,28 @@ class DrainTimeout(KVOffloadError):
     """Leaving the manager waited ``drain_timeout_s`` and copies were still in flight.
 
     Their pages were *not* freed (a page is never freed under a running copy).
+    """
+
+
+class RankTimeout(KVOffloadError):
+    """Tensor parallelism: a collective of :class:`~kvoffload.SyncOffloadManager`
+    (``poll``, ``quiesce``, ``close``, ``lookup``, ``fetch``, ``wait_released``) did not
+    complete within ``OffloadConfig.tp_timeout_s``, or the process group reported a peer
+    gone: a rank died or stopped calling them.
+
+    Nothing was delivered by the failed call and no page was freed: lifecycles with a
+    copy in flight keep their pages. From then on every collective of the manager raises
+    at once; ``close()`` drains this rank's own copies and stops.
+    """
+
+
+class RanksDiverged(KVOffloadError):
+    """Tensor parallelism: the ranks' calls differ, so their replicated schedulers are no
+    longer replicas - one rank in ``poll()`` while another is in ``quiesce()``, or ranks
+    that admitted, submitted or stored different things.
+
+    Raised by the same collective on every rank, with nothing delivered; from then on
+    the manager behaves as after :class:`RankTimeout`.
     """
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 
 from kvoffload.delivery_check import EngineRecord
+from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
 from kvoffload.lifecycle.core import Lifecycle
@@ -71,6 +72,8 @@ class _Running:
 
 class DecodeScheduler:
     """Play ``requests`` against ``mgr``: admit, extend per step, finish, abort, wait.
+    ``run()`` drives an :class:`~kvoffload.OffloadManager` on wall time;
+    :mod:`kvoffload.simulate_tp` steps the same decisions on a synchronous manager.
 
     ``on_release(n)`` is called each time ``n`` more requests were released (progress).
     ``check_every`` steps, ``mgr.check_invariants()`` runs (0: only at the end).
@@ -80,7 +83,7 @@ class DecodeScheduler:
 
     def __init__(
         self,
-        mgr: OffloadManager,
+        mgr: DriverBase,
         requests: list[RequestPlan],
         spec: WorkloadSpec,
         *,
@@ -134,7 +137,9 @@ class DecodeScheduler:
             if self._sim is not None:  # the copy engine stops with us: let the manager drain
                 self._sim.complete_all()
             raise
-        await self.mgr.wait_drained()
+        mgr = self.mgr
+        assert isinstance(mgr, OffloadManager), "the asyncio loop needs an OffloadManager"
+        await mgr.wait_drained()
         self.mgr.check_invariants()
         self.result.invariant_checks += 1
         self.result.wall_s = time.monotonic() - start

@@ -20,7 +20,17 @@ from kvoffload.config import OffloadConfig
 from kvoffload.pools import DevicePool
 from kvoffload.workload import WorkloadSpec
 
-__all__ = ["check_workload", "choose_backend", "choose_store", "print_summary", "run_simulation", "simulate"]
+__all__ = [
+    "build_report",
+    "check_workload",
+    "describe_error",
+    "choose_backend",
+    "choose_store",
+    "print_summary",
+    "run_simulation",
+    "simulate",
+    "verdict",
+]
 
 
 def choose_backend(name: str = "auto") -> str:
@@ -113,7 +123,6 @@ async def simulate(
     from kvoffload.backends import resolve_backend
     from kvoffload.delivery_check import EngineRecord
     from kvoffload.drivers.asyncio import OffloadManager
-    from kvoffload.errors import KVOffloadError
     from kvoffload.keys import namespace_seed
     from kvoffload.scheduler import DecodeScheduler, SchedulerResult
     from kvoffload.trace import TraceRecorder
@@ -156,35 +165,48 @@ async def simulate(
             try:
                 await sched.run()
             except Exception as exc:
-                error = _describe(exc)
+                error = describe_error(exc)
             result = sched.result
     except Exception as exc:  # DrainTimeout, or an error of a background task
-        error = error or _describe(exc)
+        error = error or describe_error(exc)
     finally:
         if bar is not None:
             bar[0].stop()
     stats = mgr.statistics()
-    if error is None:
-        try:
-            mgr.check_invariants()
-        except KVOffloadError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    if error is None and monitor.mismatched:
-        error = (
-            f"{monitor.mismatched} completion(s) do not carry what the lifecycle they reached "
-            f"committed; the first: {monitor.first_mismatch}"
-        )
-    if error is None and (stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used):
-        error = (
-            f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
-            f"{stats.host_pages_used} host pages still held after the run"
-        )
+    error = verdict(mgr, monitor, error)
     if recorder is not None and not isinstance(trace, TraceRecorder):
         recorder.write(Path(trace))
     from kvoffload.storage._url import redact
 
     shown = redact(store_desc or str(storage))  # F23: a URL handed in directly is shown redacted too
-    return _report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
+    return build_report(spec, config, faulty.name, shown, result, monitor, stats, error, faulty)
+
+
+def verdict(mgr: Any, monitor: Any, error: str | None) -> str | None:
+    """What went wrong in a finished run of ``mgr`` (either driver), or ``None``: the
+    run's own ``error`` first, else a ledger that does not balance, a completion that
+    reached a lifecycle that did not submit it (``monitor``, a
+    :class:`~kvoffload.workload.RunMonitor`), or lifecycles and pages still held."""
+    from kvoffload.errors import KVOffloadError
+
+    if error is not None:
+        return error
+    try:
+        mgr.check_invariants()
+    except KVOffloadError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if monitor.mismatched:
+        return (
+            f"{monitor.mismatched} completion(s) do not carry what the lifecycle they reached "
+            f"committed; the first: {monitor.first_mismatch}"
+        )
+    stats = mgr.statistics()
+    if stats.live_lifecycles or stats.device_pages_used or stats.host_pages_used:
+        return (
+            f"leak: {stats.live_lifecycles} live lifecycles, {stats.device_pages_used} device and "
+            f"{stats.host_pages_used} host pages still held after the run"
+        )
+    return None
 
 
 def run_simulation(
@@ -201,13 +223,13 @@ def run_simulation(
     return asyncio.run(simulate(spec, config, backend, storage, store_desc, progress=progress, trace=trace))
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """``Type: message`` of a kvoffload error, looking inside exception groups; any
     other exception is a bug of this program and propagates."""
     from kvoffload.errors import KVOffloadError
 
     if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions)
+        return "; ".join(describe_error(e) for e in exc.exceptions)
     if isinstance(exc, KVOffloadError):
         return f"{type(exc).__name__}: {exc}"
     raise exc
@@ -229,7 +251,7 @@ def _progress(total: int) -> tuple[Any, Any]:
     return p, p.add_task("requests", total=total)
 
 
-def _report(
+def build_report(
     spec: WorkloadSpec,
     config: OffloadConfig,
     backend: str,
@@ -240,6 +262,9 @@ def _report(
     error: str | None,
     faulty: Any,
 ) -> dict[str, Any]:
+    """The summary dict of one run (what ``--json`` writes): from the run's
+    configuration, the scheduler's result, the monitor, the final statistics, the error
+    (None: the ledger balanced) and the (faulty) backend."""
     from kvoffload.workload import percentiles
 
     wall = max(r.wall_s, 1e-9)
@@ -344,6 +369,15 @@ def print_summary(report: dict[str, Any], console: Any = None) -> None:
         f"{d['late_while_id_reused']} arrived while their request id was reused",
     )
     t.add_row("watchdog", f"{report['watchdog']['stuck_reports']} stuck reports")
+    tp = report.get("tp")
+    if tp is not None:
+        t.add_row(
+            "tensor parallel",
+            f"{tp['ranks']} ranks (gloo, keys {tp['keys']}): every ledger balanced: "
+            f"{'yes' if tp['ledgers_balanced'] else 'NO'}; release sequences identical: "
+            f"{'yes' if tp['identical_releases'] else 'NO'} ({tp['released']} releases in "
+            f"{tp['release_steps']} steps); copy failures injected per rank: {tp['injected']}",
+        )
     led = report["ledger"]
     t.add_row(
         "ledger",

@@ -14,6 +14,8 @@
 - :func:`manager_in_task`: an open manager that a pytest-asyncio fixture can yield
   (its ``async with`` runs in a task of its own).
 - :func:`capture_transitions`: the lifecycle transitions a block of code caused.
+- :class:`LocalRanks`: local tensor-parallel ranks (spawned processes in one gloo
+  group) that run a function on every rank, for tests of ``SyncOffloadManager(group=)``.
 - :func:`reference_keys`: an independent recomputation of the page key chain.
 
 Everything but ``SimBackend`` needs hypothesis (``pip install kvoffload[test]``); it is
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     )
     from kvoffload._testing.observer import CheckedSimBackend, Observer, reference_keys
     from kvoffload._testing.program import open_arguments, programs, run_program
+    from kvoffload._testing.ranks import LocalRanks, RankContext
     from kvoffload._testing.strategies import (
         Request,
         Schedule,
@@ -60,8 +63,10 @@ __all__ = [
     "CoreLifecycleMachine",
     "FlakyStorage",
     "LifecycleMachine",
+    "LocalRanks",
     "ManagerHost",
     "Observer",
+    "RankContext",
     "Request",
     "Schedule",
     "SimBackend",
@@ -122,8 +127,10 @@ _LAZY: dict[str, str] = {
     "CoreLifecycleMachine": "machine",
     "FlakyStorage": "machine",
     "LifecycleMachine": "machine",
+    "LocalRanks": "ranks",
     "ManagerHost": "host",
     "Observer": "observer",
+    "RankContext": "ranks",
     "Request": "strategies",
     "Schedule": "strategies",
     "Step": "strategies",

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import pytest
 
 import kvoffload as kvo
 from kvoffload.lifecycle.core import Lifecycle
@@ -86,3 +87,16 @@ async def open_manager(
     async with kvo.OffloadManager(config or small_config(), backend=backend, **kwargs) as mgr:
         yield mgr
         await complete_everything(mgr, backend)
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``kvoffload`` main(argv) -> (exit code, stdout, stderr); argparse's SystemExit
+    becomes a code."""
+    from kvoffload.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

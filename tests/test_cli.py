@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import run_cli
 
 import kvoffload as kvo
 from kvoffload import graph
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends import BACKENDS
-from kvoffload.cli import main
 from kvoffload.core.offload import OffloadCore
 from kvoffload.delivery_check import EngineRecord
 from kvoffload.drivers.asyncio import OffloadManager
@@ -43,14 +43,7 @@ def _has_gpu() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """main(argv) -> (exit code, stdout, stderr); argparse's SystemExit becomes a code."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def test_simulate_reports_figures_that_add_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,14 +18,16 @@ from kvoffload.pools import DevicePool, HostPool
 CONFIG = kvo.OffloadConfig(page_size=4, stride=4, device_pages=64, host_pages=64)
 
 
-def make_core(storage: bool = False) -> tuple[OffloadCore, list[Transfer]]:
+def make_core(
+    storage: bool = False, config: kvo.OffloadConfig = CONFIG
+) -> tuple[OffloadCore, list[Transfer]]:
     """A bare core whose copy jobs go to a list (nothing copies: the test delivers)."""
     jobs: list[Transfer] = []
-    args = (CONFIG.page_size, CONFIG.kv_shape, CONFIG.dtype)
+    args = (config.page_size, config.kv_shape, config.dtype)
     core = OffloadCore(
-        CONFIG,
-        device_pool=DevicePool.create(CONFIG.device_pages, *args),
-        host_pool=HostPool.create(CONFIG.host_pages, *args),
+        config,
+        device_pool=DevicePool.create(config.device_pages, *args),
+        host_pool=HostPool.create(config.host_pages, *args),
         accept=jobs.append,
         storage=storage,
     )
@@ -166,3 +168,21 @@ def test_a_completion_named_twice_or_unknown_stops_the_batch_with_the_ledger_con
         core.complete([(tc, None)])
     core.check_invariants()
     assert core.counters.completions_delivered == 3
+
+
+def test_completions_delivered_counts_deliveries_when_they_pump_deferred_chunks() -> None:
+    """One completion returns two host pages, and two deferred chunks (on_host_full=
+    "wait") go out from inside that delivery: completions_delivered is 1, not the change
+    in copies in flight (-1, which check_invariants flagged as a negative counter)."""
+    cfg = kvo.OffloadConfig(
+        page_size=4, stride=4, device_pages=64, host_pages=2, on_host_full="wait", host_wait_s=30
+    )
+    core, jobs = make_core(config=cfg)
+    a, b, c = (core.admit(r, prompt=[1, 2, 3, 4]) for r in "abc")
+    a.extend(list(range(8)))  # both host pages
+    b.extend([1, 2, 3, 4])
+    c.extend([1, 2, 3, 4])
+    assert b.deferred and c.deferred and len(core.inflight) == 1
+    core.complete([(jobs[0], None)])
+    assert len(core.inflight) == 2 and core.counters.completions_delivered == 1
+    core.check_invariants()

@@ -4,6 +4,7 @@ and the documented fields exactly the fields a listener receives."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +176,34 @@ async def _log_only_scenarios() -> list[dict[str, Any]]:
             dup.complete(dup.pending[0])
             await anyio.sleep(0.01)
             lc.finish()
+        # sglang.rows_reclaimed_mid_copy: SGLang retracts without draining first.
+        _retract_mid_copy()
     return logs
+
+
+def _retract_mid_copy() -> None:
+    """The SGLang integration on its fake engine: a request's row is taken back (and the
+    request resumed on a new row) while its copy still runs."""
+    sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+    try:
+        from sglang_fakes import Engine, Req
+    finally:
+        sys.path.pop(0)
+    engine, sim = Engine(page_size=4), SimBackend()
+    mgr = engine.manager(backend=sim, storage=None, host_pages=16)
+    req = Req("r", list(range(6)), max_new=50)
+    engine.prefill(req)
+    while not sim.pending:
+        engine.iteration()
+    engine.running.remove(req)  # retracted without drain_before_retraction()
+    engine.tree.free_kv_row(req.kv, [(0, req.kv.kv_allocated_len)])
+    engine.r2t.free(req)
+    req.kv.kv_allocated_len = 0
+    engine.prefill(req)
+    engine.iteration()  # offload_kv_cache sees the new row: the lifecycle is aborted
+    sim.complete_all()
+    engine.running.clear()
+    mgr.release_host_resources()
 
 
 @pytest.mark.asyncio

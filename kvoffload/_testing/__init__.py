@@ -1,3 +1,4 @@
 """Private rooms behind :mod:`kvoffload.testing` (the public face): the outside-world
 checks (``observer``), the state machine (``machine``), schedule strategies
-(``strategies``) and the transition capture (``capture``)."""
+(``strategies``), the transition capture (``capture``) and local tensor-parallel
+ranks (``ranks``)."""

@@ -53,6 +53,7 @@ EVENT_NAMES: dict[str, str] = {
     "manager.on_released_failed": "on_released raised; the ledger was already consistent (error)",
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
     "manager.step_failed": "a driver's background step failed and was contained; the manager runs on (error)",
+    "sglang.rows_reclaimed_mid_copy": "SGLang took a request's rows back while a copy read them (error)",
 }
 
 Listener = Callable[[str, dict[str, Any]], None]

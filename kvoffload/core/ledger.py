@@ -92,7 +92,10 @@ def check(mgr: OffloadCore) -> None:
         ),
     )
     host_inflight = 0
+    prev_seq = -1  # in flight in submission order (tensor-parallel ranks agree by it)
     for t in mgr.inflight.values():
+        expect(prev_seq < t.seq < mgr.next_seq, lambda: f"{t!r}: seq {t.seq} out of submission order")
+        prev_seq = t.seq
         expect(t.lifecycle._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
         expect(t.lifecycle.id in mgr.live, lambda: f"{t!r} in flight for an unregistered lifecycle")
         expect(

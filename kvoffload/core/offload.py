@@ -139,6 +139,9 @@ class OffloadCore:
         # inflight: transfers accepted and not yet delivered, by id.
         # Invariant: len(self.inflight) == self.counters.chunks_inflight == sum(lc.inflight)
         self.inflight: dict[int, Transfer] = {}
+        # next_seq: the seq of the next transfer submitted; inflight is in seq order.
+        # Invariant: all(t.seq < self.next_seq for t in self.inflight.values())
+        self.next_seq = 0
         # deferred: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
         self.deferred: deque[Lifecycle] = deque()
@@ -578,6 +581,7 @@ class OffloadCore:
         t = Transfer(
             lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream, ready, True
         )
+        t.seq = self.next_seq
         try:
             self.accept(t)
         except BaseException:
@@ -590,6 +594,7 @@ class OffloadCore:
         self._requiet(lc)
         lc.inflight += 1
         self.inflight[t.id] = t
+        self.next_seq += 1
         c = self.counters
         c.chunks_submitted += 1
         c.chunks_inflight += 1

@@ -26,7 +26,7 @@ from kvoffload.abc import Completion, EventBackend, Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.drivers._base import DriverBase
-from kvoffload.errors import DrainTimeout, KVOffloadError
+from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError
 from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
@@ -68,6 +68,12 @@ class OffloadManager(DriverBase):
         device_kv: Any = None,
         host_buffer: Any = None,
     ) -> None:
+        tp = getattr(config, "tp_size", None)
+        if tp is not None and tp > 1:
+            raise ConfigError(
+                f"config.tp_size is {tp}, but the asyncio OffloadManager has no tensor parallelism: "
+                "use kvo.SyncOffloadManager(config, ..., group=<the TP process group>)"
+            )
         super().__init__(
             config,
             backend=backend,

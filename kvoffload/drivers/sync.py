@@ -12,6 +12,11 @@ A call-by-call picture of one scheduler iteration::
 
     for req in batch: lc.extend(new_tokens)      # after the forward pass
     mgr.poll()                                   # completions -> on_released(lc)
+
+With ``group=`` (tensor parallelism, :mod:`kvoffload.drivers.distributed`) ``poll``,
+``quiesce``, ``wait_released``, ``close``, ``lookup`` and ``fetch`` are collectives:
+each is one small all-reduce, and every rank delivers the same completions and
+releases the same lifecycles in the same call (FAILURES F25).
 """
 
 from __future__ import annotations
@@ -21,19 +26,20 @@ import time
 from _thread import get_ident
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvoffload.abc import EventBackend, Storage
+from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.drivers._base import DriverBase
-from kvoffload.errors import DrainTimeout, KVOffloadError
+from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
+from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
 from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
 
-    from kvoffload.storage.writer import ThreadWriter, WritePolicy
+    from kvoffload.storage.writer import ThreadWriter, WritePolicy, WriteResult
 
 __all__ = ["SyncOffloadManager"]
 
@@ -51,9 +57,18 @@ class SyncOffloadManager(DriverBase):
     ``check_invariants()`` are plain calls; :meth:`poll` delivers, :meth:`ready` counts
     what is waiting, :meth:`quiesce` waits for the copies. Every call comes from the
     thread that opened it (else :class:`~kvoffload.WrongThread`, nothing changed).
+
+    ``group``: a ``torch.distributed`` process group with a gloo backend (tensor
+    parallelism): every rank builds its manager with the same config and makes the same
+    calls; ``poll``, ``quiesce``, ``wait_released``, ``close``, ``lookup`` and ``fetch``
+    are then collectives (see docs/integration.md). A group that is not a process
+    group, of another size than ``config.tp_size``, or none when ``tp_size`` is above 1,
+    raises :class:`~kvoffload.ConfigError`.
     """
 
     _kind = "SyncOffloadManager"
+    #: How a rank agrees with the others under a group (the meta-tests put a broken one here).
+    _agreement_class: ClassVar[type[RankAgreement]] = RankAgreement
 
     def __init__(
         self,
@@ -68,6 +83,10 @@ class SyncOffloadManager(DriverBase):
         host_buffer: Any = None,
         group: Any = None,
     ) -> None:
+        # _tp: this rank's side of the agreement with the other ranks; None without a group.
+        self._tp = join_group(group, config, clock, self._agreement_class)
+        if self._tp is not None:
+            clock = self._tp.clock  # the core decides by the agreed clock
         super().__init__(
             config,
             backend=backend,
@@ -78,11 +97,8 @@ class SyncOffloadManager(DriverBase):
             device_kv=device_kv,
             host_buffer=host_buffer,
         )
-        if group is not None:
-            raise KVOffloadError(
-                "SyncOffloadManager(group=...) (tensor parallelism) is not available in this version: "
-                "run one manager per rank without a group, or upgrade"
-            )
+        if self._tp is not None:
+            self.storage = self._tp.key_space(self.storage)
         self.group = group
         self._writer: ThreadWriter | None = None
         # _tick_every: seconds between timer runs inside poll(), or None without timers.
@@ -107,9 +123,10 @@ class SyncOffloadManager(DriverBase):
             raise KVOffloadError("a SyncOffloadManager can be opened once")
         self._owner = self.core.owner = get_ident()
         self.core.refresh_observed()
-        # Copies start at the next poll(): nothing to schedule per job, so the core hands
-        # its jobs to the backend directly (one call less on the submit path).
-        self.core.accept = self.backend.submit
+        # Copies start at the next poll(): nothing to schedule per job, so without a group
+        # the core hands its jobs to the backend directly (one call less on the submit
+        # path); under a group every job goes through the agreement (_accept).
+        self.core.accept = self.backend.submit if self._tp is None else self._accept
         self.backend.open(self.device_pool, self.host_pool)
         self.backend.set_waker(None)
         if self.storage is not None:
@@ -140,7 +157,11 @@ class SyncOffloadManager(DriverBase):
         ``timeout`` seconds; ``None``: ``config.drain_timeout_s``, which may itself be
         ``None``: for ever), then
         stop: live lifecycles are aborted (the idle ones released now, ``on_released``
-        called), the backend's and writer's threads end.
+        called), the backend's and writer's threads end. With a group it is a
+        collective: the ranks drain together and time out together (the timeout is
+        agreed: passed on any rank). If the group fails (:class:`~kvoffload.RankTimeout`,
+        :class:`~kvoffload.RanksDiverged`), before or during the drain, this rank drains
+        its own copies alone and stops; a failure during it is raised at the end.
 
         Raises :class:`~kvoffload.DrainTimeout` (within the timeout plus a second) naming
         the wedged copies; their buffers are parked, never freed, and their lifecycles
@@ -156,16 +177,12 @@ class SyncOffloadManager(DriverBase):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         core = self.core
-        timed_out = False
-        while True:
-            self.poll()
-            if not core.busy:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                timed_out = True
-                break
-            self._wait(left)
+        group_error: KVOffloadError | None = None
+        try:
+            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+        except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
+            group_error = exc  # finish it with this rank's own copies, then say so
+            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
         message = self._drain_error("closed the manager", timeout) if timed_out else None
         if timed_out:
             logger.error(
@@ -194,12 +211,21 @@ class SyncOffloadManager(DriverBase):
             detail = self._park()
             message = f"{message}; {detail}" if message else f"closed the manager after {timeout}s: {detail}"
         if message is not None and raise_timeout:
-            raise DrainTimeout(message)
+            raise DrainTimeout(message) from group_error
+        if group_error is not None and raise_timeout:
+            raise group_error
 
     # --- driving -------------------------------------------------------------------------
 
     def _launch_soon(self) -> None:
         """Copies start at the next :meth:`poll` (F19): nothing to schedule."""
+
+    def _accept(self, t: Transfer) -> None:
+        tp = self._tp
+        if tp is None:
+            self.backend.submit(t)
+        else:  # never refuses: a refusal on one rank fails that chunk on every rank
+            tp.accept(t, self.backend)
 
     def poll(self, max_completions: int | None = None) -> int:
         """Deliver at most ``max_completions`` ready completions (all by default) on this
@@ -208,46 +234,95 @@ class SyncOffloadManager(DriverBase):
         waits on a device or a store. Calls ``on_released(lc)`` for each lifecycle
         released; if one raises, the ledger is already consistent, the other callbacks
         still ran, and the first error is raised here. Returns how many completions
-        were delivered."""
+        were delivered.
+
+        With a group, a collective: every rank must call it, once per scheduler step at
+        the same point; every rank delivers the same completions (those finished on
+        every rank; at most the smallest ``max_completions`` any rank passed) and
+        releases the same lifecycles, in the same order. A chunk that failed on any rank
+        fails on every rank. What it sends is one all-reduce (MIN) of
+        ``2 * tp_window + 14`` int64 - a header and a finished/failed slot per copy and
+        storage write of the oldest in flight - and why that is enough is told in
+        :mod:`kvoffload.drivers.distributed`. Raises :class:`~kvoffload.RankTimeout` or
+        :class:`~kvoffload.RanksDiverged` (nothing delivered) on every rank that sees it.
+        """
         owner = self._owner
         if owner is None or get_ident() != owner or not self._open:
             self._check_open("poll()")
+        if max_completions is not None and (type(max_completions) is not int or max_completions < 0):
+            raise ConfigError(f"max_completions must be None or an int >= 0, got {max_completions!r}")
+        return self._step(max_completions, POLL, False)[0]
+
+    def _step(self, max_completions: int | None, kind: int, late: bool) -> tuple[int, bool]:
+        """The body of :meth:`poll` and of every wait; returns (completions delivered,
+        whether ``late``). Under a group it holds this rank's completions and finished
+        writes, agrees with the other ranks (one all-reduce, ``kind`` naming the call)
+        and delivers what was agreed; ``late`` is then whether a deadline passed on any
+        rank."""
         backend = self.backend
         backend.launch()
         core = self.core
+        writer = self._writer
+        tp = self._tp
         released: list[Lifecycle] = []
         n = 0
-        if backend.ready or backend.needs_polling:
-            batch = backend.take_completions(max_completions)
-            if batch:
-                n = len(batch)
-                released = self._complete(batch)
-        writer = self._writer
+        results: Sequence[WriteResult] = ()
+        if tp is None:
+            if backend.ready or backend.needs_polling:
+                batch = backend.take_completions(max_completions)
+                if batch:
+                    n = len(batch)
+                    released = self._complete(batch)
+            if writer is not None:
+                results = writer.take_results()
+        else:
+            if backend.ready or backend.needs_polling:
+                tp.hold_copies(backend.take_completions())
+            if writer is not None:
+                tp.hold_writes(writer.take_results())
+            agreed = tp.exchange(kind, core, limit=max_completions, late=late)
+            late = agreed.late
+            if agreed.copies:
+                n = len(agreed.copies)
+                released = self._complete(agreed.copies)
+            results = agreed.writes
+        for job, stored, attempts, error in results:
+            released += core.write_done(job.id, stored, attempts=attempts, error=error)
         if writer is not None:
-            for job, stored, attempts, error in writer.take_results():
-                released += core.write_done(job.id, stored, attempts=attempts, error=error)
-            jobs = core.take_writes()
-            if jobs:
-                writer.put(jobs)
+            self._start_writes(writer)
         if self._tick_every is not None:
-            now = self.clock()
+            now = self.clock()  # under a group the agreed clock: the same call on every rank
             if now >= self._next_tick:
                 self._next_tick = now + self._tick_every
                 released += core.tick()
-                if writer is not None and (jobs := core.take_writes()):
-                    writer.put(jobs)
+                if writer is not None:
+                    self._start_writes(writer)
         backend.launch()  # what a retried deferred chunk submitted
         if released:
             self._released(released, raise_errors=True)
-        return n
+        return n, late
+
+    def _start_writes(self, writer: ThreadWriter) -> None:
+        """Hand the writes the core queued to the writer (under a group, on a rank that
+        stores nothing, count its part of them done at once)."""
+        jobs = self.core.take_writes()
+        if jobs:
+            tp = self._tp
+            if tp is None or tp.copies_here:
+                writer.put(jobs)
+            else:
+                tp.skip_writes(jobs)
 
     def ready(self) -> int:
-        """Completions signalled by the backend and not yet delivered."""
+        """Completions signalled by the backend and not yet delivered (with a group:
+        this rank's, the ones held for the other ranks included - not a collective, so
+        never decide from it whether to call :meth:`poll`)."""
         self._check_owner("ready()")
         backend = self.backend
         if backend.needs_polling:
             backend.take_ready_nowait()
-        return backend.ready
+        tp = self._tp
+        return backend.ready if tp is None else backend.ready + len(tp.copies)
 
     def tick(self) -> None:
         """Run the time-based checks now (deferral expiry, watchdog); :meth:`poll` runs
@@ -281,34 +356,39 @@ class SyncOffloadManager(DriverBase):
         """Wait until no copy is in flight (storage writes not counted), delivering as
         :meth:`poll` does; raises :class:`~kvoffload.DrainTimeout` naming the copies
         still in flight after ``timeout`` seconds (``None``: for ever). The barrier
-        before retraction: when it returns, no copy reads any lifecycle's pages."""
+        before retraction: when it returns, no copy reads any lifecycle's pages. With a
+        group, a collective: it returns on every rank once no rank has a copy in
+        flight, or raises ``DrainTimeout`` on every rank once the timeout passed on any."""
         self._check_open("quiesce()")
         deadline = None if timeout is None else time.monotonic() + timeout
         core = self.core
-        while True:
-            self.poll()
-            if not core.inflight:
-                return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                stuck = list(core.inflight.values())
-                raise DrainTimeout(
-                    f"quiesce: {len(stuck)} copies still in flight after {timeout}s: {stuck[:4]!r}"
-                )
-            self._wait(left)
+        if not self._until(lambda: not core.inflight, deadline, QUIESCE):
+            stuck = list(core.inflight.values())
+            raise DrainTimeout(
+                f"quiesce: {len(stuck)} copies still in flight after {timeout}s: {stuck[:4]!r}"
+            )
 
     def wait_released(self, lc: Lifecycle, timeout: float | None = None) -> None:
         """Poll until ``lc`` is RELEASED; :class:`~kvoffload.DrainTimeout` after
-        ``timeout`` seconds (``None``: for ever)."""
+        ``timeout`` seconds (``None``: for ever). A collective with a group, as
+        :meth:`quiesce`."""
         self._check_open("wait_released()")
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._until(lambda: lc.released, deadline, WAIT):
+            raise DrainTimeout(f"{lc!r} was not released within {timeout}s")
+
+    def _until(self, done: Callable[[], bool], deadline: float | None, kind: int) -> bool:
+        """Deliver as :meth:`poll` does until ``done()``; False once ``deadline``
+        (monotonic seconds) passed first. Under a group every rank leaves in the same
+        call: ``done()`` reads agreed state, and the deadline counts as passed once it
+        passed on any rank."""
         while True:
-            self.poll()
-            if lc.released:
-                return
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise DrainTimeout(f"{lc!r} was not released within {timeout}s")
+            late = self._step(None, kind, left is not None and left <= 0)[1]
+            if done():
+                return True
+            if late:
+                return False
             self._wait(left)
 
     def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]:
@@ -321,22 +401,42 @@ class SyncOffloadManager(DriverBase):
 
     def lookup(self, tokens: Sequence[int], chain_seed: str | None = None) -> int:
         """How many leading tokens of ``tokens`` (whole pages) are in the storage tier
-        (blocks while the store answers). Raises like ``OffloadManager.lookup``."""
+        (blocks while the store answers). Raises like ``OffloadManager.lookup``. With a
+        group, a collective: the pages every rank has (its own shard's, under
+        ``tp_keys="rank"``), the smallest count over the ranks."""
         self._check_open("lookup()")
         storage = self._store()
         keys = self._read_keys(tokens, None, chain_seed)
         if not keys:
             return 0
-        assert self._writer is not None
-        return self._writer.call(storage.exists_prefix(keys)) * self.config.page_size
+        writer = self._writer
+        assert writer is not None
+        if self._tp is None:
+            return writer.call(storage.exists_prefix(keys)) * self.config.page_size
+
+        def found() -> int:
+            return writer.call(storage.exists_prefix(keys))
+
+        return self._tp.agree_count(LOOKUP, self.core, found) * self.config.page_size
 
     def fetch(self, tokens: Sequence[int], n: int, chain_seed: str | None = None) -> list[bytes]:
         """The stored bytes of the pages of ``tokens[:n]``, each checked against its key
-        (blocks while the store answers). Raises like ``OffloadManager.fetch``."""
+        (blocks while the store answers). Raises like ``OffloadManager.fetch``. With a
+        group, a collective: every rank returns as many pages as the rank that found
+        fewest (each rank its own shard's bytes under ``tp_keys="rank"``)."""
         self._check_open("fetch()")
         storage = self._store()
         keys = self._read_keys(tokens, n, chain_seed)
         if not keys:
             return []
-        assert self._writer is not None
-        return self._fetched(self._writer.call(storage.get(keys)))
+        writer = self._writer
+        assert writer is not None
+        if self._tp is None:
+            return self._fetched(writer.call(storage.get(keys)))
+        pages: list[bytes] = []
+
+        def read() -> int:
+            pages.extend(self._fetched(writer.call(storage.get(keys))))
+            return len(pages)
+
+        return pages[: self._tp.agree_count(FETCH, self.core, read)]

@@ -243,6 +243,10 @@ class DecodeKVCacheOffloadManager:
             host_pages=host_pages,
             on_host_full=on_host_full,  # type: ignore[arg-type]  # OffloadConfig checks it
             drain_timeout_s=drain_timeout_s,
+            # Under TP each rank holds its own heads' KV (keys suffixed per rank, as
+            # SGLang's HiCacheFile does for MHA); MLA's latent KV is the same on every rank.
+            tp_size=self.tp_world_size if self.tp_world_size > 1 else None,
+            tp_keys="shared" if self.kv_kind == "mla" else "rank",
         )
         if storage == "server_args":
             storage = self._storage_from(server_args)
@@ -314,6 +318,8 @@ class DecodeKVCacheOffloadManager:
         :meth:`finalize_release_on_finish`). Before finish: True when a chunk went out."""
         if self._dead:
             self._reap()
+        if self._drained:  # a retraction may have happened since: find it before using rows
+            self._scan_reclaimed()
         row = req.kv.req_pool_idx
         out = req.output_ids
         if row is None or row == -1 or not out:
@@ -508,14 +514,22 @@ class DecodeKVCacheOffloadManager:
 
     def _scan_reclaimed(self) -> bool:
         """After a drain (or a page claimed twice): end the lifecycle of every unfinished
-        Req whose row the engine took back (retraction). Returns whether any was."""
+        Req whose row or pages the engine took back (retraction; a resumed request may
+        get the same row with other pages). Reads each live request's page ids once: a
+        cold path, after a retraction only. Returns whether any was taken back."""
         self._drained = False
         found = False
         for e in list(self._entries.values()):
-            req = e.ref()
-            if e.lc is not None and e.finishing is None and req is not None and req.kv.req_pool_idx != e.row:
-                self._reclaimed(e)
-                found = True
+            req, lc = e.ref(), e.lc
+            if lc is None or e.finishing is not None or req is None:
+                continue
+            row = req.kv.req_pool_idx
+            # The same row with exactly the pages lc holds: nothing was taken back (or all
+            # of it was given back as it was, its KV recomputed from the same tokens).
+            if row == e.row and self._pages(row, e.base, e.base + lc.committed) == lc.device_pages:
+                continue
+            self._reclaimed(e)
+            found = True
         return found
 
     def _reclaimed(self, e: _Entry) -> None:

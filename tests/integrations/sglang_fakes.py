@@ -77,6 +77,11 @@ class Req:
         return self.origin_input_ids + self.output_ids[:-1]
 
 
+def shard_uid(uid: int, shard: int) -> int:
+    """The KV identity of a request on one TP rank (each rank holds other heads)."""
+    return uid + 100_003 * shard
+
+
 def kv_value(uid: int, pos: int, token: int, tensor: int) -> torch.Tensor:
     """The KV the engine writes for one token of one tensor (exact in float32)."""
     base = float((uid * 7919 + pos * 131 + token * 17 + tensor * 3) % 1_000_003)
@@ -148,11 +153,11 @@ class ReqToTokenPool:
 
     def __init__(self, rows: int, max_context: int) -> None:
         self.req_to_token = torch.zeros(rows, max_context, dtype=torch.int32)
-        self.free_rows = list(range(rows - 1, -1, -1))
+        self.free_rows = list(range(rows))
         self.frees = 0
 
     def alloc(self, req: Req) -> None:
-        req.kv.req_pool_idx = self.free_rows.pop()
+        req.kv.req_pool_idx = self.free_rows.pop(0)  # as SGLang's: from the front, freed to the back
 
     def free(self, req: Req) -> None:
         row = req.kv.req_pool_idx
@@ -209,6 +214,8 @@ class Engine:
         self.waiting: list[Req] = []
         self.mgr: DecodeKVCacheOffloadManager | None = None
         self._next_token = itertools.count(100)
+        # shard: a TP rank's heads: its KV differs from the other ranks' (0: one rank).
+        self.shard = 0
 
     def manager(self, tp_group: Any = None, server_args: Any = None, **kw: Any) -> Manager:
         """SGLang's one line: the scheduler builds the manager from its own objects."""
@@ -222,8 +229,9 @@ class Engine:
         """The forward pass writes token ``pos``'s KV into its slot."""
         slot = int(self.r2t.req_to_token[req.kv.req_pool_idx, pos])
         tokens = req.origin_input_ids + req.output_ids
+        uid = shard_uid(req.uid, self.shard)
         for t, buf in enumerate(self.pool.tensors()):
-            buf[slot] = kv_value(req.uid, pos, tokens[pos], t)
+            buf[slot] = kv_value(uid, pos, tokens[pos], t)
 
     def _grow(self, req: Req, n: int) -> None:
         """Allocate pages so the row holds ``n`` tokens."""
@@ -324,3 +332,62 @@ class Engine:
 def collect() -> None:
     """Make the collector run weakref callbacks now."""
     gc.collect()
+
+
+# --- tensor parallelism: what each rank runs (imported by name in the rank processes) ----
+
+
+def tp_rank_run(ctx: Any, seed: int, root: str, mla: bool = False) -> dict[str, Any]:
+    """One TP rank of a replicated SGLang scheduler: the same requests and calls on
+    every rank, each rank's copies completing in its own random order and rounds (a
+    SimBackend), KV that differs by rank (its heads). Returns what the test compares:
+    the iteration each request was released in, and what this rank stored."""
+    import random
+
+    from kvoffload.storage.file import FileStorage
+    from kvoffload.testing import SimBackend
+
+    rng = random.Random(seed * 1000 + ctx.rank)
+    engine = Engine(page_size=4, mla=mla)
+    engine.shard = ctx.rank if not mla else 0
+    sim = SimBackend()
+    mgr = engine.manager(
+        tp_group=ctx.group, storage=FileStorage(root), backend=sim, host_pages=64, drain_timeout_s=20.0
+    )
+    reqs = [Req(f"r{i % 3}", [i * 10 + j for j in range(3 + i)], max_new=9 + 2 * i) for i in range(6)]
+    for i, r in enumerate(reqs):
+        r.uid = 1000 + i  # the same request identity on every rank
+    released_at: dict[int, list[str]] = {}
+    waiting = list(reqs)
+    for it in range(500):
+        if waiting and it % 3 == 0:
+            engine.prefill(waiting.pop(0))
+        before = len(engine.tree.released)
+        engine.iteration()
+        # This rank's copy engine: a random subset of its copies, in a random order.
+        pending = list(sim.pending)
+        rng.shuffle(pending)
+        for t in pending[: rng.randint(0, len(pending))]:
+            sim.complete(t)
+        if len(engine.tree.released) > before:
+            released_at[it] = engine.tree.released[before:]
+        if not waiting and not engine.running and not mgr.ongoing_offload:
+            break
+        if not engine.running and sim.pending and rng.random() < 0.5:
+            sim.complete_all()
+    while mgr.ongoing_offload:
+        sim.complete_all()
+        mgr.check_offload_progress()
+    mgr.manager.check_invariants()
+    stats = mgr.statistics()
+    mgr.release_host_resources()
+    return {
+        "released_at": released_at,
+        "released": list(engine.tree.released),
+        "pages_stored": stats.pages_stored,
+        "live": stats.live_lifecycles,
+        "host_used": stats.host_pages_used,
+        "engine_pages_held": len(engine.allocator.used),
+        "reqs": [(r.rid, r.uid, r.origin_input_ids, r.output_ids, r.extra_key, r.cache_salt) for r in reqs],
+        "n_tensors": engine.n_tensors,
+    }

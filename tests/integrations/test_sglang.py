@@ -271,7 +271,11 @@ def test_host_pool_full_then_retry(engine: Engine) -> None:
     mgr.release_host_resources()
 
 
-def test_resume_after_retraction_continues_the_chain(engine: Engine) -> None:
+@pytest.mark.parametrize("same_row", [False, True], ids=["new-row", "same-row"])
+def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: bool) -> None:
+    """Retracted (drain first), resumed on a new row - or the same row index with other
+    pages, which only the pages tell apart - the request's chain goes on where it
+    stopped: every page stored once, with the KV the engine recomputed."""
     mgr, storage = open_mgr(engine, "cpu")
     req = Req("a", list(range(7)), max_new=60, extra_key="lora-1")
     other = Req("b", list(range(30, 41)), max_new=25)
@@ -280,10 +284,17 @@ def test_resume_after_retraction_continues_the_chain(engine: Engine) -> None:
     for _ in range(20):
         engine.iteration()
     sent_before = mgr.statistics().pages_submitted
+    row = req.kv.req_pool_idx
     engine.retract(req)  # drain, then the engine frees the row and pages
-    for _ in range(6):  # the other request runs on (it may reuse the freed pages)
-        engine.iteration()
-    engine.resume(req)  # a new row, new pages, the KV recomputed
+    if same_row:  # resumed before kvoffload is called again: the same row, other pages
+        engine.r2t.free_rows.remove(row)
+        engine.r2t.free_rows.insert(0, row)
+        engine.allocator.free_pages.reverse()
+    else:
+        for _ in range(6):  # the other request runs on (it may reuse the freed pages)
+            engine.iteration()
+    engine.resume(req)  # new pages, the KV recomputed
+    assert (req.kv.req_pool_idx == row) is same_row
     while engine.running:
         engine.iteration()
     mgr.drain_before_retraction()
@@ -469,6 +480,7 @@ def _mha(rows: int = 8 * PS) -> Any:
         (lambda: type("Unknown", (), {})(), "not a KV pool"),
         (lambda: _mha(8 * PS + 1), "not a whole number of pages"),
     ],
+    ids=["swa", "hybrid", "unknown", "partial-page"],
 )
 def test_unsupported_pools_are_refused_at_construction(make: Any, match: str) -> None:
     engine = Engine(page_size=PS)
@@ -559,3 +571,36 @@ def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> Non
         check_stored(engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
     check_nothing_left(engine, mgr)
     mgr.release_host_resources()
+
+
+# --- tensor parallelism: two gloo ranks through the same class --------------------------
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha-rank-keys", "mla-shared-keys"])
+def test_two_tp_ranks_release_together_and_store_their_shards(tmp_path: Any, mla: bool) -> None:
+    from sglang_fakes import shard_uid, tp_rank_run
+
+    from kvoffload.storage.file import FileStorage
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=120.0) as ranks:
+        records = ranks.run(tp_rank_run, 7, str(tmp_path), mla)
+    r0, r1 = records
+    # Every rank released the same requests in the same iterations (F25), all of them.
+    assert r0["released_at"] == r1["released_at"]
+    assert sorted(r0["released"]) == sorted(r for r, *_ in r0["reqs"])
+    for r in records:
+        assert r["live"] == 0 and r["host_used"] == 0 and r["engine_pages_held"] == 0
+    # Each rank's pages are under its own keys (MHA) or rank 0's once (MLA), with its bytes.
+    store = FileStorage(tmp_path)
+    for rank, rec in enumerate(records):
+        shard = 0 if mla else rank
+        for rid, uid, prompt, output, extra_key, salt in rec["reqs"]:
+            tokens = prompt + output[:-1]
+            keys = ref_keys(tokens, PS, kvo.namespace_seed(extra_key, salt))
+            first, last = len(prompt) // PS, len(tokens) // PS
+            names = keys[first:last] if mla else [f"{k}_{rank}_2" for k in keys[first:last]]
+            got = asyncio.run(store.get(names))
+            for p, page in zip(range(first, last), got, strict=True):
+                want = expected_page(shard_uid(uid, shard), tokens, p, PS, rec["n_tensors"])
+                assert page == want, f"rank {rank} {rid}: page {p}"

@@ -70,7 +70,8 @@ def device_bytes(mgr: kvo.OffloadManager, pages: Sequence[int]) -> list[bytes]:
     return [bytes(mgr.device_pool.tensor[p].contiguous().view(-1).numpy().tobytes()) for p in pages]
 
 
-STORE_KINDS = ["memory", "file", "redis"]
+#: rank_keys: one tensor-parallel rank's view of a file store (its keys suffixed).
+STORE_KINDS = ["memory", "file", "redis", "rank_keys"]
 
 
 def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Storage:
@@ -79,6 +80,11 @@ def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         from kvoffload.storage.memory import MemoryStorage
 
         return MemoryStorage()
+    if kind == "rank_keys":
+        from kvoffload.storage.file import FileStorage
+        from kvoffload.storage.rank_keys import RankKeys
+
+        return RankKeys(FileStorage(tmp_path / "pages"), 1, 2)
     if kind == "file":
         from kvoffload.storage.file import FileStorage
 

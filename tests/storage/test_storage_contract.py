@@ -1,4 +1,5 @@
-"""The Storage contract (kvoffload/abc.py), run on every store: memory, file, redis."""
+"""The Storage contract (kvoffload/abc.py), run on every store: memory, file, redis, and
+a tensor-parallel rank's view of a file store (RankKeys)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ pytestmark = pytest.mark.asyncio
 def twin(store: Storage) -> Storage | None:
     """A second handle on the same stored pages (another worker's), or None for memory."""
     from kvoffload.storage.file import FileStorage
+    from kvoffload.storage.rank_keys import RankKeys
     from kvoffload.storage.redis import RedisStorage
 
+    if isinstance(store, RankKeys):
+        inner = twin(store.inner)
+        return None if inner is None else RankKeys(inner, 1, 2)
     if isinstance(store, FileStorage):
         return FileStorage(store.root)
     if isinstance(store, RedisStorage):

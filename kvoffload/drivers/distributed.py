@@ -1,0 +1,400 @@
+"""Tensor parallelism: the ranks of a ``torch.distributed`` group agree, inside every
+collective call of :class:`~kvoffload.SyncOffloadManager`, on what to deliver (F25).
+
+Where it runs: on each rank's owner thread, inside ``poll()``, ``quiesce()``,
+``wait_released()``, ``close()``, ``lookup()`` and ``fetch()``. Every rank runs the same
+scheduler, so every rank's core gets the same calls and makes the same transfers in
+the same order (``Transfer.seq``). What differs per rank is when, and whether, its copy
+of its shard finishes, and when its storage write does. A rank therefore holds its
+own completions back, and each collective call is ONE all-reduce (MIN) of a fixed
+vector of ``2 * tp_window + HEADER`` int64:
+
+- the header: the call's kind, the next ``seq``, transfers in flight, storage writes
+  pending, lifecycles admitted - each sent as ``x`` and ``-x``, so the one MIN yields
+  their min and max, equal on replicas (else :class:`~kvoffload.RanksDiverged` on
+  every rank) -; the delivery limit (MIN of ``max_completions``); the elapsed time
+  (MIN: the agreed clock); "my deadline passed" (sent negated: MAX); a payload (pages
+  found by ``lookup``/``fetch``: MIN);
+- ``copies``: slot ``i`` is the ``i``-th oldest transfer in flight (by ``seq``): 0 not
+  finished here, 1 failed here, 2 copied here;
+- ``writes``: slot ``i`` is the ``i``-th oldest storage write: 0 not finished here,
+  1 failed here, 2 stored here.
+
+After the MIN, a slot above 0 has finished on every rank: 1 if any rank failed it (the
+chunk fails on every rank, with the same outcome), 2 if every rank succeeded. Every
+rank delivers exactly those, in ``seq`` order (at most the agreed limit of copies),
+so every rank releases the same lifecycles in the same call, and none before every
+rank's copy of it has finished.
+
+Why this is enough: what the ranks agree on - the transfers in flight, the writes
+pending - is the same on every rank after each agreed step, so slot ``i`` names the
+same transfer everywhere (the header checks it). The oldest transfer in flight is
+always slot 0: once every rank's copy of it has finished, the next poll delivers it,
+so the window always moves on, and the message never grows with load (no
+per-transfer messages). Host pages come back only at agreed points (an agreed
+delivery or write), and time-based decisions (deferral expiry, the watchdog) read
+the agreed clock, so every rank's drops and deferrals - and so its next transfers -
+stay the same.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from kvoffload.abc import Completion, EventBackend, Storage, Transfer, WriteJob
+from kvoffload.config import OffloadConfig
+from kvoffload.errors import (
+    BackendError,
+    ConfigError,
+    KVOffloadError,
+    RanksDiverged,
+    RankTimeout,
+    StorageError,
+)
+
+if TYPE_CHECKING:
+    from kvoffload.core.offload import OffloadCore
+    from kvoffload.storage.writer import WriteResult
+
+__all__ = ["HEADER", "RankAgreement", "check_group", "join_group"]
+
+# The kinds of collective call (the header's first field: ranks must be in the same one).
+POLL, QUIESCE, WAIT, CLOSE, LOOKUP, FETCH = 1, 2, 3, 4, 5, 6
+KIND_NAMES = {
+    POLL: "poll",
+    QUIESCE: "quiesce",
+    WAIT: "wait_released",
+    CLOSE: "close",
+    LOOKUP: "lookup",
+    FETCH: "fetch",
+}
+_DELIVERS = (POLL, QUIESCE, WAIT, CLOSE)
+
+# Header slots. A pair (x, -x) gives min and max from the one MIN.
+_KIND, _SEQ, _INFLIGHT, _WRITES, _ADMITTED = 0, 2, 4, 6, 8  # pairs
+_LIMIT, _ELAPSED, _LATE, _PAYLOAD = 10, 11, 12, 13
+#: int64 slots before the copy window.
+HEADER = 14
+_CHECKED = (
+    (_SEQ, "transfers submitted"),
+    (_INFLIGHT, "transfers in flight"),
+    (_WRITES, "storage writes pending"),
+    (_ADMITTED, "lifecycles admitted"),
+)
+#: Slot codes: not finished here / failed here / done here.
+_WAITING, _FAILED, _DONE = 0, 1, 2
+_NO_LIMIT = 1 << 62
+
+
+def _failed_elsewhere(t: Transfer) -> BackendError:
+    return BackendError(
+        f"the copy of {t!r} (seq {t.seq}) failed on another rank: under tensor parallelism a chunk "
+        "that fails on one rank fails on every rank"
+    )
+
+
+def _write_code(held: WriteResult | None) -> int:
+    return _WAITING if held is None else _DONE if held[1] else _FAILED
+
+
+class Agreed(NamedTuple):
+    """What one collective call agreed: the copies and writes to deliver (every rank
+    the same ones, in ``seq`` order), whether a deadline passed on any rank, and the
+    payload's minimum over the ranks."""
+
+    copies: list[Completion]
+    writes: list[WriteResult]
+    late: bool
+    payload: int
+
+
+def check_group(group: Any, config: OffloadConfig) -> tuple[int, int]:
+    """``(rank, size)`` of ``group``, or :class:`~kvoffload.ConfigError` naming what is
+    wrong: not a process group (or this process is not a member of it), a group whose
+    collectives do not take CPU tensors (NCCL), a size other than ``config.tp_size``."""
+    import torch.distributed as dist
+
+    if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        raise ConfigError(
+            "group is GroupMember.NON_GROUP_MEMBER: this process is not a member of the group "
+            "(dist.new_group(ranks=...) returns it on the ranks left out); pass the group this rank is in"
+        )
+    if not isinstance(group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
+        raise ConfigError(
+            f"group must be a torch.distributed ProcessGroup (e.g. dist.new_group(backend='gloo'), "
+            f"SGLang's tp_cpu_group), got {type(group).__name__}: {group!r}"
+        )
+    name = str(group.name())
+    if "gloo" not in name and "mpi" not in name:
+        raise ConfigError(
+            f"group's backend is {name!r}: the agreement is an all-reduce of a small CPU tensor, so it "
+            "needs a gloo group (dist.new_group(backend='gloo'); SGLang passes its tp_cpu_group)"
+        )
+    rank, size = int(group.rank()), int(group.size())
+    if not 0 <= rank < size:
+        raise ConfigError(f"group says this process is rank {rank} of {size}: not a member of it")
+    if config.tp_size is not None and size != config.tp_size:
+        raise ConfigError(
+            f"group has {size} rank(s) but config.tp_size is {config.tp_size}: pass the engine's "
+            "tensor-parallel group, or fix tp_size"
+        )
+    return rank, size
+
+
+def join_group(
+    group: Any, config: OffloadConfig, clock: Callable[[], float], cls: type[RankAgreement] | None = None
+) -> RankAgreement | None:
+    """This rank's agreement with the others in ``group``, or ``None`` without a group.
+    Raises :class:`~kvoffload.ConfigError` for a bad group (:func:`check_group`), and
+    for no group when ``config.tp_size`` is above 1 (every rank would deliver alone)."""
+    if not isinstance(config, OffloadConfig):
+        raise KVOffloadError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    if group is not None:
+        return (cls or RankAgreement)(group, config, clock)
+    if config.tp_size is not None and config.tp_size > 1:
+        raise ConfigError(
+            f"config.tp_size is {config.tp_size} but no group was given: pass the tensor-parallel "
+            "process group (group=...), or every rank would deliver on its own"
+        )
+    return None
+
+
+class RankAgreement:
+    """One rank's side of the agreement (see the module doc): the completions and
+    storage writes this rank finished and the others may not have, and the one
+    collective that decides which of them every rank delivers.
+
+    Owned by a :class:`~kvoffload.SyncOffloadManager` with ``group=``; called on its
+    owner thread only. ``clock`` is the agreed clock the manager's core runs on.
+    """
+
+    def __init__(self, group: Any, config: OffloadConfig, clock: Callable[[], float]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.size = check_group(group, config)
+        self.group = group
+        self.window = config.tp_window
+        self.timeout_s = config.tp_timeout_s
+        self.per_rank_keys = config.tp_keys == "rank"
+        # copies_here: whether this rank copies and writes ("shared" keys: rank 0 only).
+        self.copies_here = self.per_rank_keys or self.rank == 0
+        self._buf = torch.zeros(HEADER + 2 * self.window, dtype=torch.int64)
+        self._a = self._buf.numpy()  # the same memory: filled and read without torch ops
+        # _named: how many copy and write slots the last call named (the rest are 0).
+        self._named = (0, 0)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch's stubs: RedOpType
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._opts = opts
+        self._local_clock = clock
+        self._origin = clock()
+        # now: the agreed clock, seconds: the MIN over ranks of their time since they
+        # were built, as of the last collective. Never goes back.
+        self.now = 0.0
+        # copies: this rank's finished copies (and refusals) not yet agreed, by seq.
+        # Invariant: all(seq in (t.seq for t in core.inflight.values()) for seq in self.copies)
+        self.copies: dict[int, Completion] = {}
+        # writes: this rank's finished storage writes not yet agreed, by job id.
+        # Invariant: set(self.writes) <= set(core.writes)
+        self.writes: dict[int, WriteResult] = {}
+        # failed: the error that broke the group (a timeout, a dead peer, diverged
+        # ranks); every collective after it raises at once, and close() runs alone.
+        self.failed: KVOffloadError | None = None
+
+    def clock(self) -> float:
+        """The agreed clock (the core's and the timers' clock under a group)."""
+        return self.now
+
+    def key_space(self, storage: Storage | None) -> Storage | None:
+        """``storage`` as this rank reads and writes it: under ``tp_keys="rank"`` each
+        key suffixed with the rank (:class:`RankKeys`); under ``"shared"`` as it is."""
+        if storage is None or not self.per_rank_keys:
+            return storage
+        from kvoffload.storage.rank_keys import RankKeys
+
+        return RankKeys(storage, self.rank, self.size)
+
+    # --- what this rank finished ---------------------------------------------------------
+
+    def accept(self, t: Transfer, backend: EventBackend) -> None:
+        """The core's sink under a group: hand ``t`` to ``backend``. Never raises: a
+        refusal on this rank is held as a failure of that chunk, which then fails on
+        every rank (a refusal that raised would leave this rank's core one transfer
+        short of the others'). A rank that copies nothing ("shared" keys, rank > 0)
+        holds ``t`` as done at once."""
+        if not self.copies_here:
+            self.copies[t.seq] = (t, None)
+            return
+        try:
+            backend.submit(t)
+        except Exception as exc:
+            self.copies[t.seq] = (t, exc)
+
+    def hold_copies(self, batch: list[Completion]) -> None:
+        """Completions this rank's backend signalled: held until every rank has them."""
+        self.copies.update({c[0].seq: c for c in batch})
+
+    def hold_writes(self, results: list[WriteResult]) -> None:
+        """Storage writes this rank finished: held until every rank finished them."""
+        writes = self.writes
+        for r in results:
+            writes[r[0].id] = r
+
+    def skip_writes(self, jobs: list[WriteJob]) -> None:
+        """A rank that stores nothing ("shared" keys, rank > 0): its part of each write
+        is done at once and takes the writer's outcome (MIN: the writer's code wins)."""
+        for job in jobs:
+            self.writes[job.id] = (job, True, 1, None)
+
+    # --- the collective --------------------------------------------------------------------
+
+    def exchange(
+        self,
+        kind: int,
+        core: OffloadCore,
+        *,
+        limit: int | None = None,
+        late: bool = False,
+        payload: int = 0,
+    ) -> Agreed:
+        """One collective call: send this rank's state, return what every rank agreed.
+
+        Raises :class:`~kvoffload.RankTimeout` (the all-reduce did not complete within
+        ``tp_timeout_s``, or a peer is gone) or :class:`~kvoffload.RanksDiverged` (the
+        ranks' calls differ), with nothing delivered; after either, every call raises at
+        once except ``close`` (kind CLOSE), which then agrees with this rank alone.
+        """
+        solo = self.size == 1
+        if self.failed is not None:
+            if kind != CLOSE:
+                raise type(self.failed)(f"{self.failed} [an earlier collective failed; close() the manager]")
+            solo = True
+        a = self._a
+        seq, inflight, writes = core.next_seq, len(core.inflight), len(core.writes)
+        admitted = core.counters.admitted
+        elapsed = max(0, int((self._local_clock() - self._origin) * 1e6))
+        lim = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
+        a[:HEADER] = [
+            *(kind, -kind, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
+            *(lim, elapsed, -int(late), payload),
+        ]
+        # A slot this rank holds nothing for is 0 here, so 0 after the MIN: only the
+        # transfers (writes) this rank finished need naming, and only if it holds some.
+        delivers = kind in _DELIVERS
+        window: list[Transfer] = []
+        if delivers and self.copies:
+            held = self.copies
+            window = list(itertools.islice(core.inflight.values(), self.window))
+            get = held.get
+            a[HEADER : HEADER + len(window)] = [
+                _WAITING if (c := get(t.seq)) is None else _DONE if c[1] is None else _FAILED for t in window
+            ]
+        jobs: list[WriteJob] = []
+        base = HEADER + self.window
+        if delivers and self.writes:
+            done = self.writes
+            jobs = list(itertools.islice(core.writes.values(), self.window))
+            a[base : base + len(jobs)] = [_write_code(done.get(j.id)) for j in jobs]
+        self._clear(len(window), len(jobs))
+        if not solo:
+            self._all_reduce(kind)
+        h = a[:HEADER].tolist()
+        if not solo:
+            self._check_replicas(kind, h)
+        self.now = max(self.now, h[_ELAPSED] / 1e6)
+        agreed = Agreed([], [], bool(h[_LATE]), h[_PAYLOAD])
+        if window or jobs:
+            self._take_agreed(window, jobs, h[_LIMIT], agreed)
+        return agreed
+
+    def _clear(self, copies: int, writes: int) -> None:
+        """Zero the slots named last time and not this time (the MIN keeps a zero a
+        zero, so the rest of the buffer is zero already)."""
+        a = self._a
+        if copies < self._named[0]:
+            a[HEADER + copies : HEADER + self._named[0]] = _WAITING
+        base = HEADER + self.window
+        if writes < self._named[1]:
+            a[base + writes : base + self._named[1]] = _WAITING
+        self._named = (copies, writes)
+
+    def agree_count(self, kind: int, core: OffloadCore, read: Callable[[], int]) -> int:
+        """``read()`` this rank's count (pages found by a lookup or fetch), then agree on
+        the smallest over the ranks (one collective). A rank whose read raised sends -1:
+        every rank raises (that rank its own error, the others a
+        :class:`~kvoffload.StorageError`), so the collectives stay paired."""
+        error: Exception | None = None
+        try:
+            mine = read()
+        except Exception as exc:
+            error, mine = exc, -1
+        agreed = self.exchange(kind, core, payload=mine).payload
+        if error is not None:
+            raise error
+        if agreed < 0:
+            raise StorageError(f"{KIND_NAMES[kind]}() failed on another rank (see its error)")
+        return agreed
+
+    def _take_agreed(self, window: list[Transfer], jobs: list[WriteJob], limit: int, out: Agreed) -> None:
+        a = self._a
+        pop, take = self.copies.pop, out.copies.append
+        for i, code in enumerate(a[HEADER : HEADER + len(window)].tolist()):  # seq order
+            if not code:
+                continue
+            if limit <= 0:
+                break
+            limit -= 1
+            c = pop(window[i].seq)  # held here: the MIN is above 0
+            if code == _FAILED and c[1] is None:
+                c = (c[0], _failed_elsewhere(c[0]))
+            take(c)
+        base = HEADER + self.window
+        for i, code in enumerate(a[base : base + len(jobs)].tolist()):
+            if not code:
+                continue
+            job, stored, attempts, error = self.writes.pop(jobs[i].id)
+            if code == _FAILED and stored:
+                stored = False
+                error = StorageError(f"the storage write of {job!r} failed on another rank")
+            out.writes.append((job, stored, attempts, error))
+
+    def _all_reduce(self, kind: int) -> None:
+        try:
+            self.group.allreduce([self._buf], self._opts).wait()
+        except Exception as exc:  # gloo: a timeout, or a peer's connection closed
+            raise self._fail(
+                RankTimeout(
+                    f"rank {self.rank} of {self.size}: {KIND_NAMES[kind]}() did not agree with the other "
+                    f"ranks within tp_timeout_s={self.timeout_s}s - a rank died or stopped calling the "
+                    f"manager's collectives ({type(exc).__name__}: {exc}); nothing was delivered and no "
+                    "page was freed"
+                )
+            ) from exc
+
+    def _check_replicas(self, kind: int, h: list[int]) -> None:
+        problems = []
+        lo, hi = h[_KIND], -h[_KIND + 1]
+        if lo != hi:
+            problems.append(
+                f"the ranks called different collectives ({KIND_NAMES[lo]}() and {KIND_NAMES[hi]}())"
+            )
+        for i, what in _CHECKED:
+            lo, hi = h[i], -h[i + 1]
+            if lo != hi:
+                problems.append(f"{what} differ across ranks ({lo} to {hi})")
+        if problems:
+            raise self._fail(
+                RanksDiverged(
+                    f"rank {self.rank} of {self.size}, in {KIND_NAMES[kind]}(): " + "; ".join(problems) + ": "
+                    "every rank must make the same calls in the same order (admit, extend, finish, abort, "
+                    "then poll once per step); nothing was delivered"
+                )
+            )
+
+    def _fail(self, error: KVOffloadError) -> KVOffloadError:
+        self.failed = error
+        return error
