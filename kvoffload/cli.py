@@ -203,8 +203,14 @@ def _graph(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     import kvoffload as kvo
-    from kvoffload.simulate import check_workload, choose_backend, choose_store
+    from kvoffload.errors import MissingDependency
+    from kvoffload.simulate import check_workload, choose_backend, choose_store, require_rich
     from kvoffload.workload import WorkloadSpec
+
+    try:
+        require_rich()
+    except MissingDependency as exc:
+        return _fail(EXIT_MISSING, str(exc))
 
     for path, opt in ((args.json, "--json"), (args.trace, "--trace")):
         if path is not None and not path.parent.is_dir():

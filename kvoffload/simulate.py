@@ -27,6 +27,7 @@ __all__ = [
     "choose_backend",
     "choose_store",
     "print_summary",
+    "require_rich",
     "run_simulation",
     "simulate",
     "verdict",
@@ -235,7 +236,21 @@ def describe_error(exc: BaseException) -> str:
     raise exc
 
 
+def require_rich() -> None:
+    """Raise :class:`~kvoffload.MissingDependency` naming the extra when rich (what
+    ``kvoffload simulate`` prints its progress and summary with) is not installed."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        from kvoffload.errors import MissingDependency
+
+        raise MissingDependency(
+            "kvoffload simulate prints its progress and summary with rich: pip install 'kvoffload[cli]'"
+        ) from None
+
+
 def _progress(total: int) -> tuple[Any, Any]:
+    require_rich()
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -328,7 +343,8 @@ def build_report(
 
 
 def print_summary(report: dict[str, Any], console: Any = None) -> None:
-    """Print ``report`` (from :func:`simulate`) as tables."""
+    """Print ``report`` (from :func:`simulate`) as tables (needs rich: the ``cli`` extra)."""
+    require_rich()
     from rich.console import Console
     from rich.table import Table
 

@@ -8,9 +8,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.kvoffload-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints.txt -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  # torch is pinned to the CPU build in pyproject.toml (torch==2.13.0).
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  # pyproject.toml accepts torch>=2.3 (what the user's engine brings); CI pins the CPU
+  # build on this machine's disk through the constraints file (a plain `torch` would
+  # pull a multi-GB CUDA build).
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
   touch "$stamp"
 fi

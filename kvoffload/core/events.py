@@ -13,11 +13,10 @@ pays one attribute read for them.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
-
-import structlog
 
 __all__ = [
     "DEBUG",
@@ -26,6 +25,7 @@ __all__ = [
     "Listener",
     "Log",
     "RateLimit",
+    "configured_structlog",
     "debug_enabled",
     "logger",
     "notify_listeners",
@@ -138,7 +138,8 @@ class Log:
     def _log(self, level: int, event: str, fields: dict[str, Any]) -> None:
         if self._fields:
             fields = {**self._fields, **fields}
-        if structlog.is_configured():
+        structlog = configured_structlog()
+        if structlog is not None:
             getattr(structlog.get_logger("kvoffload"), _LEVEL_NAMES[level])(event, **fields)
         elif STDLIB_LOGGER.isEnabledFor(level):
             text = " ".join(f"{k}={v!r}" for k, v in fields.items())
@@ -162,12 +163,23 @@ class Log:
 logger = Log()
 
 
+def configured_structlog() -> Any:
+    """The ``structlog`` module when the application configured it, else ``None``.
+    kvoffload never imports structlog itself (nor what structlog pulls in, e.g. rich
+    when it is installed): an application that configured structlog has imported it."""
+    structlog = sys.modules.get("structlog")
+    if structlog is not None and structlog.is_configured():
+        return structlog
+    return None
+
+
 def debug_enabled() -> bool:
     """Whether kvoffload's debug events would be seen now: the application configured
     structlog and its wrapper class lets debug through, or it set the stdlib logger
     ``"kvoffload"`` (or an ancestor) to DEBUG. Public APIs only; costs a few µs, so hot
     paths read :data:`DEBUG` instead, which :func:`refresh_debug` keeps."""
-    if structlog.is_configured():
+    structlog = configured_structlog()
+    if structlog is not None:
         wrapper = structlog.get_config()["wrapper_class"]
         if getattr(wrapper, "is_enabled_for", None) is None:
             return True
