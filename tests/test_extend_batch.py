@@ -24,10 +24,13 @@ from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 
 class Side:
-    """One core and what it submitted."""
+    """One core and what it submitted. Its mover refuses the submissions whose number
+    (0, 1, 2, ... counting refused ones) is in ``refuse``."""
 
-    def __init__(self, config: kvo.OffloadConfig, engine: bool) -> None:
+    def __init__(self, config: kvo.OffloadConfig, engine: bool, refuse: frozenset[int] = frozenset()) -> None:
         self.jobs: list[Transfer] = []
+        self.refuse = refuse
+        self.offered = 0
         self.engine = engine
         args = (config.page_size, config.kv_shape, config.dtype)
         device: Any
@@ -37,11 +40,18 @@ class Side:
         else:
             device = DevicePool.create(64, *args)
             host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype)
-        self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.jobs.append)
+        self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.accept)
         self.lcs: list[kvo.Lifecycle] = []
         self.free = list(range(63, -1, -1))
         self.given: dict[int, list[int]] = {}
         self.core.host.on_released = self.released  # type: ignore[attr-defined]
+
+    def accept(self, t: Transfer) -> None:
+        n = self.offered
+        self.offered += 1
+        if n in self.refuse:
+            raise kvo.BackendError(f"refused submission {n}")
+        self.jobs.append(t)
 
     def released(self, lc: kvo.Lifecycle) -> None:
         self.free.extend(reversed(self.given.pop(lc.id, [])))
@@ -99,10 +109,19 @@ step = st.one_of(
     offload_prompt=st.booleans(),
     engine=st.booleans(),
     steps=st.lists(step, max_size=25),
+    refuse=st.frozensets(st.integers(0, 12), max_size=3),
 )
 def test_a_batch_is_the_sequential_extends(
-    page_size: int, stride_pages: int, host_pages: int, offload_prompt: bool, engine: bool, steps: list[Any]
+    page_size: int,
+    stride_pages: int,
+    host_pages: int,
+    offload_prompt: bool,
+    engine: bool,
+    steps: list[Any],
+    refuse: frozenset[int],
 ) -> None:
+    """... and a mover that refuses a chunk mid-batch leaves both sides alike: the
+    entries before it extended, the rest not, the same error raised."""
     config = kvo.OffloadConfig(
         page_size=page_size,
         stride=page_size * stride_pages,
@@ -112,16 +131,24 @@ def test_a_batch_is_the_sequential_extends(
         dtype="float32",
         offload_prompt=offload_prompt,
     )
-    a, b = Side(config, engine), Side(config, engine)
+    a, b = Side(config, engine, refuse), Side(config, engine, refuse)
     for kind, arg in steps:
         if kind == "admit":
             if len(a.lcs) >= 6 or (engine and len(a.free) < 20):
                 continue
+            admitted = []
             for side in (a, b):
                 pages = side.pages_for(None, 0, len(arg))
-                lc = side.core.admit(f"r{len(side.lcs) % 3}", arg, pages=pages)
+                try:
+                    lc = side.core.admit(f"r{len(side.lcs) % 3}", arg, pages=pages)
+                except kvo.BackendError:
+                    side.free.extend(reversed(pages or []))
+                    admitted.append(False)
+                    continue
                 side.lcs.append(lc)
                 side.given[lc.id] = list(pages or [])
+                admitted.append(True)
+            assert admitted[0] == admitted[1]
         elif kind == "batch":
             entries = [(i % len(a.lcs), t) for i, t in arg] if a.lcs else []
             entries = [
@@ -144,11 +171,21 @@ def test_a_batch_is_the_sequential_extends(
                         side.given[lc.id] += pg
                     committed[lc.id] = before + k
                     pages.append(pg)
-                if batched:
-                    side.core.extend_batch(lcs, tokens, pages=pages if engine else None)
-                else:
-                    for lc, t, pg in zip(lcs, tokens, pages, strict=True):
-                        lc.extend([t] if isinstance(t, int) else list(t), pages=pg)
+                errors = []
+                try:
+                    if batched:
+                        side.core.extend_batch(lcs, tokens, pages=pages if engine else None)
+                    else:
+                        for lc, t, pg in zip(lcs, tokens, pages, strict=True):
+                            lc.extend([t] if isinstance(t, int) else list(t), pages=pg)
+                except kvo.BackendError as exc:
+                    errors.append(str(exc))
+                    for lc in lcs:  # the engine takes back the pages of entries not applied
+                        held = set(lc.device_pages)
+                        handed = side.given[lc.id]
+                        side.free.extend(reversed([p for p in handed if p not in held]))
+                        side.given[lc.id] = [p for p in handed if p in held]
+                side.last_error = errors  # type: ignore[attr-defined]
         elif kind in ("finish", "abort") and a.lcs:
             i = arg % len(a.lcs)
             if a.lcs[i].state is kvo.LifecycleState.RELEASED or (
@@ -156,11 +193,16 @@ def test_a_batch_is_the_sequential_extends(
             ):
                 continue
             for side in (a, b):
-                getattr(side.lcs[i], kind)()
+                try:
+                    getattr(side.lcs[i], kind)()
+                    side.last_error = []  # type: ignore[attr-defined]
+                except kvo.BackendError as exc:  # finish's flush refused: nothing changed
+                    side.last_error = [str(exc)]  # type: ignore[attr-defined]
         elif kind == "complete" and a.core.inflight:
             for side in (a, b):
                 t = list(side.core.inflight.values())[arg % len(side.core.inflight)]
                 side.core.complete([(t, None)])
+        assert getattr(a, "last_error", None) == getattr(b, "last_error", None)
         assert a.snapshot() == b.snapshot()
         a.core.check_invariants()
 

@@ -356,6 +356,12 @@ class OffloadCore:
         ps = self.config.page_size
         done = 0
         paged: list[Lifecycle] = []  # lifecycles that took a new page, in order
+        # due: (index, lifecycle) of the entries that made a chunk due, in order. Their
+        # chunks are submitted after the pass, in the same order: quiet entries touch
+        # neither the host pool nor the mover, so the outcome is the sequential one. A
+        # due lifecycle's _quiet is -1 until then: a second entry for it in the batch
+        # leaves the pass (the checked path handles it, in order).
+        due: list[tuple[int, Lifecycle]] = []
         if not engine and pages is None:  # owned mode: the tightest loop
             try:
                 for lc, t in zip(lifecycles, tokens, strict=True):  # lengths checked
@@ -363,21 +369,27 @@ class OffloadCore:
                         break
                     c = lc.committed + 1
                     if c > lc._quiet:
-                        break
+                        if lc._quiet < 0:
+                            break
+                        lc._quiet = -1
+                        due.append((done, lc))
                     if c > lc._cap:
                         self.grow(lc, c)
                         paged.append(lc)
                     lc._tail.append(t)  # OverflowError for an id < 0 or >= 2**32: nothing appended
                     lc.committed = c
                     done += 1
-                else:
-                    return True
             except (OverflowError, KVOffloadError):
                 if paged and done < len(lifecycles) and paged[-1] is lifecycles[done]:
                     lc = paged.pop()  # the entry that failed took its page first
                     self.device_pool.free([lc.device_pages.pop()])
                     lc._cap -= ps
-            self._undo_quiet(lifecycles, done, paged)
+                if due and due[-1][0] == done:  # the entry that failed was made due first
+                    self._requiet(due.pop()[1])
+            else:
+                if done == len(lifecycles):
+                    return self._submit_due(lifecycles, due, paged)
+            self._undo_quiet(lifecycles, done, paged, due)
             return False
         try:
             for i, lc in enumerate(lifecycles):
@@ -386,7 +398,10 @@ class OffloadCore:
                     break
                 c = lc.committed + 1
                 if c > lc._quiet:
-                    break
+                    if lc._quiet < 0:
+                        break
+                    lc._quiet = -1
+                    due.append((i, lc))
                 if c > lc._cap:
                     if engine:
                         if pages is None or pages[i] is None:
@@ -401,25 +416,57 @@ class OffloadCore:
                 lc._tail.append(t)
                 lc.committed = c
                 done += 1
-            else:
-                return True
         except KVOffloadError:
             pass  # a page could not be had: undo, and let the checked path raise
-        self._undo_quiet(lifecycles, done, paged)
+        else:
+            if done == len(lifecycles):
+                return self._submit_due(lifecycles, due, paged)
+        if due and due[-1][0] == done:  # the entry that stopped the pass was made due first
+            self._requiet(due.pop()[1])
+        self._undo_quiet(lifecycles, done, paged, due)
         return False
 
-    def _undo_quiet(self, lifecycles: Sequence[Lifecycle], done: int, paged: list[Lifecycle]) -> None:
-        """Undo the first ``done`` entries :meth:`_extend_quiet` applied (in reverse),
-        with the pages they took."""
+    def _submit_due(
+        self, lifecycles: Sequence[Lifecycle], due: list[tuple[int, Lifecycle]], paged: list[Lifecycle]
+    ) -> bool:
+        """After a quiet pass: the chunks its due entries made due, in order, as each
+        entry's extend would have submitted them. A mover that refuses one raises there,
+        the entries from that one on undone (as the sequential calls would leave them)."""
+        stride = self.config.stride
+        for k, (i, lc) in enumerate(due):
+            self._requiet(lc)
+            if lc.committed >= lc.due and lc._deferred_since is None:
+                pending = lc.committed - lc.submitted
+                try:
+                    self._submit(lc, pending - pending % stride, None)
+                except BaseException:
+                    for _, later in due[k + 1 :]:
+                        self._requiet(later)
+                    self._undo_quiet(lifecycles, len(lifecycles), paged, [], stop=i)
+                    raise
+        return True
+
+    def _undo_quiet(
+        self,
+        lifecycles: Sequence[Lifecycle],
+        done: int,
+        paged: list[Lifecycle],
+        due: list[tuple[int, Lifecycle]],
+        stop: int = 0,
+    ) -> None:
+        """Undo entries ``stop..done`` that :meth:`_extend_quiet` applied (in reverse),
+        with the pages they took; the due ones get their fast-path threshold back."""
+        for _, lc in due:
+            self._requiet(lc)
         ps = self.config.page_size
-        for lc in reversed(lifecycles[:done]):
+        for lc in reversed(lifecycles[stop:done]):
             lc._tail.pop()
             lc.committed -= 1
             if paged and paged[-1] is lc and lc._cap - ps >= lc.committed:
                 paged.pop()
                 self.device_pool.free([lc.device_pages.pop()])
                 lc._cap -= ps
-        assert not paged, "a page taken by an entry that was not applied"
+        assert stop or not paged, "a page taken by an entry that was not applied"
 
     def _extend_checked(
         self, lifecycles: Sequence[Lifecycle], tokens: Sequence[Any], pages: Any, ready: Any
