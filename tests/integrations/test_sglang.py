@@ -70,6 +70,15 @@ def check_nothing_left(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None
     mgr.manager.check_invariants()
 
 
+def settle(mgr: DecodeKVCacheOffloadManager) -> None:
+    """Scheduler iterations with nothing to decode until the copies and storage writes
+    are done (what an idle SGLang scheduler's loop does before it may sleep)."""
+    mgr.drain_before_retraction()
+    while mgr.ongoing_offload:
+        mgr.check_offload_progress()
+        mgr.manager.wait_progress(0.05)
+
+
 @pytest.fixture
 def engine() -> Engine:
     return Engine(page_size=PS)
@@ -297,10 +306,7 @@ def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: b
     assert (req.kv.req_pool_idx == row) is same_row
     while engine.running:
         engine.iteration()
-    mgr.drain_before_retraction()
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.05)
+    settle(mgr)
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     check_stored(engine, storage, req, 1, n // PS)
     # Nothing stored before the retraction was copied again.
@@ -384,10 +390,7 @@ def test_the_page_aligned_tail_is_flushed_at_finish(engine: Engine) -> None:
     mgr, storage = open_mgr(engine, "cpu", stride=4 * PS)
     req = Req("a", list(range(PS)), max_new=3 * PS + 2)  # finishes 3 pages past the prompt
     engine.run([req])
-    mgr.drain_before_retraction()
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.05)
+    settle(mgr)
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     assert n // PS == 4  # 3 whole pages beyond the prompt: less than a stride
     check_stored(engine, storage, req, 1, 4)
@@ -407,9 +410,7 @@ def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
             sim.complete(t)
     for t in reversed(sim.pending):
         sim.complete(t)
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.01)
+    settle(mgr)
     for r in reqs:
         n = len(r.origin_input_ids) + len(r.output_ids) - 1
         check_stored(engine, storage, r, 1, n // PS)
@@ -423,10 +424,7 @@ def test_namespaces_keep_requests_apart(engine: Engine) -> None:
     a = Req("a", list(range(8)), max_new=9, extra_key="model-a")
     b = Req("b", list(range(8)), max_new=9, extra_key="model-b")
     engine.run([a, b])
-    mgr.drain_before_retraction()
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.05)
+    settle(mgr)
     for r in (a, b):
         check_stored(engine, storage, r, 2, 4)
     unseeded = ref_keys(a.origin_input_ids + a.output_ids[:-1], PS)[2:4]
@@ -512,10 +510,7 @@ def test_mla_pools_are_offloaded() -> None:
     assert mgr.kv_kind == "mla"
     req = Req("a", list(range(6)), max_new=15)
     engine.run([req])
-    mgr.drain_before_retraction()
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.05)
+    settle(mgr)
     check_stored(engine, storage, req, 1, (6 + 14) // PS)
     mgr.release_host_resources()
 
@@ -560,10 +555,7 @@ def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> Non
     reqs = [Req(f"r{i % 5}", [i * 10 + j for j in range(3 + i % 7)], max_new=8 + 3 * i) for i in range(12)]
     engine.run(reqs[:6])
     engine.run(reqs[6:])
-    mgr.drain_before_retraction()
-    while mgr.ongoing_offload:
-        mgr.check_offload_progress()
-        mgr.manager.wait_progress(0.05)
+    settle(mgr)
     assert sorted(engine.tree.released) == sorted(r.rid for r in reqs)
     for r in reqs:
         assert r.kv.released == 1
