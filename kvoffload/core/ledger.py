@@ -54,7 +54,8 @@ def check(mgr: OffloadCore) -> None:
             lambda: f"{lc!r}: {len(lc.device_pages)} device pages for {lc.committed} tokens",
         )
         expect(lc._cap == len(lc.device_pages) * ps, lambda: f"{lc!r}: capacity {lc._cap} out of sync")
-        quiet = lc.due - 1 if lc._s in (0, 1) and lc._tail.typecode == TOKEN_TYPECODE else -1
+        narrow = lc._tail.typecode == TOKEN_TYPECODE
+        quiet = lc.due - 1 if lc._s in (0, 1) and narrow and not mgr.observed else -1
         expect(lc._quiet == quiet, lambda: f"{lc!r}: fast-path threshold {lc._quiet}, should be {quiet}")
         expect(lc.inflight >= 0, lambda: f"{lc!r}: negative inflight")
         if lc._s == LifecycleState.PENDING.value:

@@ -522,8 +522,9 @@ class OffloadCore:
             self._extend_valid(lifecycles[i], arrays[i], pages[i] if pages is not None else None, ready)
 
     def _requiet(self, lc: Lifecycle) -> None:
-        """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle)."""
-        quiet = EXTEND_SELF_LOOP[lc._s] and lc._tail.typecode == TOKEN_TYPECODE
+        """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle). No
+        fast path while someone observes events: the full path emits them."""
+        quiet = EXTEND_SELF_LOOP[lc._s] and lc._tail.typecode == TOKEN_TYPECODE and not self.observed
         lc._quiet = lc.due - 1 if quiet else -1
 
     def grow(self, lc: Lifecycle, committed: int) -> bool:
@@ -1130,9 +1131,14 @@ class OffloadCore:
         )
 
     def refresh_observed(self) -> bool:
-        """Recompute :attr:`observed` (listeners, and whether debug logging is seen)."""
-        self.observed = refresh_debug() or bool(self.listeners)
-        return self.observed
+        """Recompute :attr:`observed` (listeners, and whether debug logging is seen); when
+        it changes, every live lifecycle's fast-path threshold follows (O(live), rare)."""
+        observed = refresh_debug() or bool(self.listeners)
+        if observed != self.observed:
+            self.observed = observed
+            for lc in self.live.values():
+                self._requiet(lc)
+        return observed
 
     # --- reading ---------------------------------------------------------------------------
 

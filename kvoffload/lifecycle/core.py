@@ -129,8 +129,10 @@ class Lifecycle:
     #   before the first page; b"" at the root). Its hex is `chain_key`.
     # due: `committed` at which the next chunk is due (a stride past the last attempt).
     # _quiet: the largest `committed` an extend may reach on the fast path: due - 1 while
-    #   extend is a self-loop of the state (PENDING, OFFLOADING) and the tail is narrow, else -1.
-    # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail else -1)
+    #   extend is a self-loop of the state (PENDING, OFFLOADING), the tail is narrow and no
+    #   one observes events (the full path emits them), else -1.
+    # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail
+    #   and not core.observed else -1)
     # device_pages: the device pages holding this request's KV, in token order.
     # _cap: tokens the device pages can hold; changed only where device pages are added.
     # Invariant: self._cap == len(self.device_pages) * page_size
@@ -232,18 +234,17 @@ class Lifecycle:
             if len(tokens) == 1:  # one decode step of one token: the hottest path
                 t = tokens[0]
                 committed = self.committed + 1
-                if (
-                    committed <= self._quiet
-                    and type(t) is int
-                    and 0 <= t < 4294967296
-                    and (committed <= self._cap or self._core.grow(self, committed))
-                ):  # a new page is allocated inline (engine-owned: the full path asks for it)
-                    self._tail.append(t)
-                    self.committed = committed
-                    core = self._core
-                    if core.observed:
-                        core.emit_transition(self, self._s, self._s, _EXTEND)
-                    return
+                if committed <= self._quiet and type(t) is int:
+                    tail = self._tail
+                    try:
+                        tail.append(t)  # OverflowError for an id < 0 or >= 2**32: not appended
+                    except OverflowError:
+                        pass  # the full path raises the typed error
+                    else:
+                        if committed <= self._cap or self._grow(committed):
+                            self.committed = committed
+                            return
+                        tail.pop()  # no page here: the full path asks for it (or raises)
             committed = self.committed + len(tokens)
             if committed <= self._quiet:
                 tail = self._tail
@@ -262,11 +263,15 @@ class Lifecycle:
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
                     self.committed = committed
-                    core = self._core
-                    if core.observed:
-                        core.emit_transition(self, self._s, self._s, _EXTEND)
                     return
         self._core.extend(self, tokens, pages=pages, ready=ready)
+
+    def _grow(self, committed: int) -> bool:
+        """The fast path's new page (owned mode), or False: the full path takes it."""
+        try:
+            return self._core.grow(self, committed)
+        except KVOffloadError:  # the device pool is full: the full path raises
+            return False
 
     def finish(self) -> None:
         """The request finished decoding: flush the page-aligned remainder (F12), then
