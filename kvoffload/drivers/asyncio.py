@@ -67,7 +67,14 @@ class OffloadManager(DriverBase):
         on_released: Callable[[Lifecycle], object] | None = None,
         device_kv: Any = None,
         host_buffer: Any = None,
+        group: Any = None,
     ) -> None:
+        if group is not None:
+            raise ConfigError(
+                "the asyncio OffloadManager has no tensor parallelism (group=): use "
+                "kvo.SyncOffloadManager(config, ..., group=<the TP process group>), whose poll() agrees "
+                "with the other ranks"
+            )
         tp = getattr(config, "tp_size", None)
         if tp is not None and tp > 1:
             raise ConfigError(

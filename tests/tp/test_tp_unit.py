@@ -112,6 +112,8 @@ def test_no_group_when_tp_size_says_tensor_parallel_is_refused() -> None:
         kvo.SyncOffloadManager(cfg(tp_size=2), backend="sim")
     with pytest.raises(kvo.ConfigError, match="asyncio OffloadManager has no tensor parallelism"):
         kvo.OffloadManager(cfg(tp_size=2), backend="sim")
+    with pytest.raises(kvo.ConfigError, match="asyncio OffloadManager has no tensor parallelism"):
+        kvo.OffloadManager(cfg(), backend="sim", group=solo_group())  # a clear error, not a TypeError
     kvo.SyncOffloadManager(cfg(tp_size=1), backend="sim")  # one rank needs no group
 
 
