@@ -167,27 +167,10 @@ def f5_first_completion_releases(state: LifecycleMachine) -> None:
     state.teardown()
 
 
-def f6_retraction_frees_behind_the_barrier(state: LifecycleMachine) -> None:
-    """F6: a request with its prompt chunk in flight is retracted (closing aborts it)."""
-    state.open(
-        page_size=2,
-        stride_pages=1,
-        device_pages=6,
-        spare_host_pages=0,
-        on_host_full="drop",
-        offload_prompt=True,
-        storage=False,
-        first_prompt=[0, 0],
-        events=False,
-    )
-    state.outside_rules_hold()
-    state.close()
-    state.outside_rules_hold()
-    state.teardown()
-
-
-def f7_abort_leaks_inflight(state: LifecycleMachine) -> None:
-    """F7: abort (closing aborts) while the prompt chunk is in flight; it completes later."""
+def close_with_the_prompt_chunk_in_flight(state: LifecycleMachine) -> None:
+    """F6 and F7 shrink to the same schedule: a request with its prompt chunk in flight
+    is aborted by closing (F6: retracted behind the barrier; F7: the abort must keep
+    the in-flight copy counted until it completes, later)."""
     state.open(
         page_size=2,
         stride_pages=1,
@@ -312,8 +295,8 @@ SHRUNK: dict[str, tuple[Callable[[LifecycleMachine], None], type[OffloadCore]]] 
     "F3": (f3_freed_mid_decode, FreedMidDecode),
     "F4": (f4_freed_at_finish, FreedAtFinish),
     "F5": (f5_first_completion_releases, FirstCompletionReleases),
-    "F6": (f6_retraction_frees_behind_the_barrier, RetractionFreesBehindTheBarrier),
-    "F7": (f7_abort_leaks_inflight, AbortLeaksInflight),
+    "F6": (close_with_the_prompt_chunk_in_flight, RetractionFreesBehindTheBarrier),
+    "F7": (close_with_the_prompt_chunk_in_flight, AbortLeaksInflight),
     "F8": (f8_released_twice, ReleasedTwice),
     "F9": (f9_skipped_when_host_full, SkippedWhenHostFull),
     "F11": (f11_keys_at_completion, KeysAtCompletion),

@@ -327,8 +327,10 @@ class DecodeKVCacheOffloadManager:
         e = self._entries.get(id(req))
         if e is None or e.ref() is not req:
             e = self._entry(req)
-        if e.done or e.finishing is not None:
-            return e.finishing is not None and not e.done
+        if e.done:
+            return False
+        if e.finishing is not None:  # finished before: its release still waits for an ack
+            return True
         lc = e.lc
         if lc is not None and e.row != row:
             self._reclaimed(e)
@@ -569,8 +571,7 @@ class DecodeKVCacheOffloadManager:
         if e.lc is lc:
             e.lc = None
         if e.finishing is lc:
-            req = e.req
-            self._release(req, e)
+            self._release(e.req, e)
 
     def _release(self, req: Any, e: _Entry | None) -> None:
         """SGLang's release path for ``req``, at most once."""

@@ -58,8 +58,9 @@ def check_stored(engine: Engine, storage: MemoryStorage, req: Req, from_page: in
         assert page == expected_page(req.uid, tokens, p, PS, engine.n_tensors), f"{req.rid}: page {p} bytes"
 
 
-def check_nothing_left(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None:
-    """Every page and row the engine handed out came back; kvoffload holds nothing."""
+def check_nothing_left_and_close(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None:
+    """Every page and row the engine handed out came back; kvoffload holds nothing. Then
+    SGLang's shutdown (release_host_resources)."""
     mgr.check_offload_progress()
     stats = mgr.statistics()
     assert stats.live_lifecycles == 0, stats
@@ -68,6 +69,7 @@ def check_nothing_left(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None
     assert not mgr.has_inflight_device_transfer()
     assert engine.allocator.used == set(), f"pages never freed: {sorted(engine.allocator.used)}"
     mgr.manager.check_invariants()
+    mgr.release_host_resources()
 
 
 def settle(mgr: DecodeKVCacheOffloadManager) -> None:
@@ -116,8 +118,7 @@ def test_in_flight_is_tracked_until_the_ack(engine: Engine) -> None:
     engine.drop(req)
     del req
     collect()
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None:
@@ -145,8 +146,7 @@ def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None
     assert engine.tree.released == ["a"] and req.kv.released == 1
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     check_stored(engine, storage, req, 1, n // PS)
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
@@ -176,8 +176,7 @@ def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
     assert engine.tree.released == ["same", "same"] and second.kv.released == 1
     check_stored(engine, storage, first, 2, (8 + 8) // PS)
     check_stored(engine, storage, second, 2, (8 + 29) // PS)
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
@@ -197,8 +196,7 @@ def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
     mgr.check_offload_progress()
     assert mgr._entries == {}
     assert engine.tree.released == [], "a dropped Req is the engine's to release, not kvoffload's"
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_a_req_dropped_mid_copy_is_held_until_its_copy_ends() -> None:
@@ -276,8 +274,7 @@ def test_host_pool_full_then_retry(engine: Engine) -> None:
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     check_stored(engine, storage, req, 1, n // PS)
     assert mgr.statistics().pages_lost == 0
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 @pytest.mark.parametrize("same_row", [False, True], ids=["new-row", "same-row"])
@@ -315,8 +312,7 @@ def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: b
     assert mgr.statistics().pages_submitted == pages_of_req + other_pages
     assert sent_before > 0
     assert engine.tree.released == ["b", "a"]
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_a_request_never_offloaded_is_released_at_once(engine: Engine) -> None:
@@ -336,8 +332,7 @@ def test_a_request_never_offloaded_is_released_at_once(engine: Engine) -> None:
     engine.iteration()
     assert req2.finished() and engine.tree.released == ["short", "tiny"]
     engine.running.clear()
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_idle_and_in_flight_gates(engine: Engine) -> None:
@@ -394,8 +389,7 @@ def test_the_page_aligned_tail_is_flushed_at_finish(engine: Engine) -> None:
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     assert n // PS == 4  # 3 whole pages beyond the prompt: less than a stride
     check_stored(engine, storage, req, 1, 4)
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
@@ -414,8 +408,7 @@ def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
     for r in reqs:
         n = len(r.origin_input_ids) + len(r.output_ids) - 1
         check_stored(engine, storage, r, 1, n // PS)
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_namespaces_keep_requests_apart(engine: Engine) -> None:
@@ -561,8 +554,7 @@ def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> Non
         assert r.kv.released == 1
         n = len(r.origin_input_ids) + len(r.output_ids) - 1
         check_stored(engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
-    check_nothing_left(engine, mgr)
-    mgr.release_host_resources()
+    check_nothing_left_and_close(engine, mgr)
 
 
 # --- tensor parallelism: two gloo ranks through the same class --------------------------
