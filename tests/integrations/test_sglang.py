@@ -13,6 +13,7 @@ import hashlib
 import struct
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -60,8 +61,13 @@ def check_stored(engine: Engine, storage: MemoryStorage, req: Req, from_page: in
 
 def check_nothing_left_and_close(engine: Engine, mgr: DecodeKVCacheOffloadManager) -> None:
     """Every page and row the engine handed out came back; kvoffload holds nothing. Then
-    SGLang's shutdown (release_host_resources)."""
+    SGLang's shutdown (release_host_resources). Storage writes run on the writer's
+    thread: the scheduler's idle iterations collect them (a bounded wait)."""
+    deadline = time.monotonic() + 5.0
     mgr.check_offload_progress()
+    while mgr.statistics().pages_in_write and time.monotonic() < deadline:
+        time.sleep(0.001)
+        mgr.check_offload_progress()
     stats = mgr.statistics()
     assert stats.live_lifecycles == 0, stats
     assert stats.host_pages_used == 0, stats
