@@ -50,13 +50,14 @@ class Transfer:
     """
 
     __slots__ = (
+        "_digests",
+        "_keys",
         "completed_at",
         "device_pages",
         "error",
         "first_token",
         "host_pages",
         "id",
-        "keys",
         "lifecycle",
         "n_tokens",
         "owned",
@@ -71,19 +72,24 @@ class Transfer:
         lifecycle: Lifecycle,
         device_pages: list[int],
         host_pages: list[int],
-        keys: list[str],
+        keys: list[str] | None,
         first_token: int,
         n_tokens: int,
         submitted_at: float,
         stream: int = 0,
         ready: Any = None,
         owned: bool = False,
+        digests: list[bytes] | None = None,
     ) -> None:
         self.id = TransferId(next(_transfer_ids))
         self.lifecycle = lifecycle
         self.device_pages = device_pages
         self.host_pages = host_pages
-        self.keys = keys
+        # _keys: the pages' keys (hex), or None until first read, made from _digests
+        # (the core passes SHA-256 digests: hex only where a key leaves the library).
+        # Invariant: self._keys is not None or self._digests is not None
+        self._keys = keys
+        self._digests = digests
         self.first_token = first_token
         self.n_tokens = n_tokens
         self.submitted_at = submitted_at
@@ -98,6 +104,19 @@ class Transfer:
         self.seq = 0
         self.completed_at: float | None = None
         self.error: BaseException | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        """The storage key (hex) of each page, in order."""
+        keys = self._keys
+        if keys is None:
+            assert self._digests is not None
+            keys = self._keys = [d.hex() for d in self._digests]
+        return keys
+
+    @keys.setter
+    def keys(self, keys: list[str]) -> None:
+        self._keys = keys
 
     def check_fits(self, device_pages: int, host_pages: int, streams: int) -> None:
         """Raise :class:`~kvoffload.BackendError` unless this transfer can be copied between

@@ -110,10 +110,19 @@ class PagePool:
         return pages
 
     def try_allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` pages, or return ``None`` when fewer are free (nothing taken)."""
-        if n > len(self._free):
+        """Take ``n`` pages (``n`` > 0), or return ``None`` when fewer are free (nothing
+        taken). The submit path's allocation: one call."""
+        free = self._free
+        if n <= 0:
+            return self.allocate(n)  # [] for none, PageError below that
+        if n > len(free):
             return None
-        return self.allocate(n)
+        pages = free[-n:]
+        del free[-n:]
+        alloc = self._allocated
+        for p in pages:
+            alloc[p] = 1
+        return pages
 
     def free(self, pages: Iterable[int]) -> None:
         """Return pages. Raises :class:`PageError` (nothing returned) on a page that is

@@ -1,11 +1,14 @@
 """``extend_batch`` is ``extend`` on each lifecycle in order, only cheaper (issue 14).
 
 Two cores receive the same random schedule - admits, batched decode steps (one token or
-a few per lifecycle, a lifecycle possibly twice in a step), finishes, aborts and
-completions in any order - one through ``extend_batch``, the other through ``extend``
-call by call. After every step their lifecycles, their submitted chunks (keys, chunk
-boundaries, pages) and their statistics are identical; a batch with one bad entry
-raises before anything changes.
+a few per lifecycle, a lifecycle possibly twice in a step), runs of the same batch step
+after step (the array state's steady state), single extends of a batch's lifecycle,
+finishes, aborts and completions in any order - one through ``extend_batch``, the other
+through ``extend`` call by call. The batched core keeps its array state
+(:mod:`kvoffload.core.rows`) from batches of one lifecycle up, or never. After every
+step their lifecycles, their submitted chunks (keys, chunk boundaries, pages) and
+their statistics are identical and the batched core's ledger (rows included) holds; a
+batch with one bad entry raises before anything changes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ class Side:
     """One core and what it submitted. Its mover refuses the submissions whose number
     (0, 1, 2, ... counting refused ones) is in ``refuse``."""
 
-    def __init__(self, config: kvo.OffloadConfig, engine: bool, refuse: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: kvo.OffloadConfig,
+        engine: bool,
+        refuse: frozenset[int] = frozenset(),
+        rows_min: int | None = None,
+    ) -> None:
         self.jobs: list[Transfer] = []
         self.refuse = refuse
         self.offered = 0
@@ -41,6 +50,8 @@ class Side:
             device = DevicePool.create(64, *args)
             host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype)
         self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.accept)
+        if rows_min is not None:
+            self.core.rows_min = rows_min
         self.lcs: list[kvo.Lifecycle] = []
         self.free = list(range(63, -1, -1))
         self.given: dict[int, list[int]] = {}
@@ -95,6 +106,8 @@ step = st.one_of(
             max_size=6,
         ),
     ),
+    st.tuples(st.just("run"), st.tuples(st.integers(1, 12), st.integers(0, 9))),
+    st.tuples(st.just("single"), st.tuples(st.integers(0, 5), st.integers(0, 9))),
     st.tuples(st.just("finish"), st.integers(0, 5)),
     st.tuples(st.just("abort"), st.integers(0, 5)),
     st.tuples(st.just("complete"), st.integers(0, 7)),
@@ -108,8 +121,10 @@ step = st.one_of(
     host_pages=st.integers(3, 12),
     offload_prompt=st.booleans(),
     engine=st.booleans(),
-    steps=st.lists(step, max_size=25),
+    prompts=st.lists(st.lists(st.integers(0, 9), max_size=9), min_size=1, max_size=6),
+    steps=st.lists(step, min_size=1, max_size=25),
     refuse=st.frozensets(st.integers(0, 12), max_size=3),
+    rows=st.booleans(),
 )
 def test_a_batch_is_the_sequential_extends(
     page_size: int,
@@ -117,8 +132,10 @@ def test_a_batch_is_the_sequential_extends(
     host_pages: int,
     offload_prompt: bool,
     engine: bool,
+    prompts: list[list[int]],
     steps: list[Any],
     refuse: frozenset[int],
+    rows: bool,
 ) -> None:
     """... and a mover that refuses a chunk mid-batch leaves both sides alike: the
     entries before it extended, the rest not, the same error raised."""
@@ -131,8 +148,9 @@ def test_a_batch_is_the_sequential_extends(
         dtype="float32",
         offload_prompt=offload_prompt,
     )
-    a, b = Side(config, engine, refuse), Side(config, engine, refuse)
-    for kind, arg in steps:
+    a, b = Side(config, engine, refuse, rows_min=1 if rows else 10**9), Side(config, engine, refuse)
+    last: list[int] = []  # the positions of the last batch of one token each (else all running)
+    for kind, arg in [("admit", p) for p in prompts] + steps:
         if kind == "admit":
             if len(a.lcs) >= 6 or (engine and len(a.free) < 20):
                 continue
@@ -149,43 +167,24 @@ def test_a_batch_is_the_sequential_extends(
                 side.given[lc.id] = list(pages or [])
                 admitted.append(True)
             assert admitted[0] == admitted[1]
-        elif kind == "batch":
-            entries = [(i % len(a.lcs), t) for i, t in arg] if a.lcs else []
+        elif kind in ("batch", "run", "single"):
+            if kind == "batch":
+                entries = [(i % len(a.lcs), t) for i, t in arg] if a.lcs else []
+            elif kind == "single":
+                entries = [(arg[0] % len(a.lcs), [arg[1]])] if a.lcs else []
+            else:
+                entries = [(i, arg[1]) for i in last or range(len(a.lcs))]
+            if kind == "batch" and entries and all(isinstance(t, int) for _, t in entries):
+                last = list(dict.fromkeys(i for i, _ in entries))
             entries = [
                 (i, t)
                 for i, t in entries
                 if a.lcs[i].state in (kvo.LifecycleState.PENDING, kvo.LifecycleState.OFFLOADING)
             ]
-            if not entries or (engine and len(a.free) < 12):
-                continue
-            for side, batched in ((a, True), (b, False)):
-                lcs = [side.lcs[i] for i, _ in entries]
-                tokens = [t for _, t in entries]
-                pages: list[Any] = []
-                committed: dict[int, int] = {}
-                for lc, t in zip(lcs, tokens, strict=True):
-                    k = 1 if isinstance(t, int) else len(t)
-                    before = committed.get(lc.id, lc.committed)
-                    pg = side.pages_for(lc, before, k)
-                    if pg is not None:
-                        side.given[lc.id] += pg
-                    committed[lc.id] = before + k
-                    pages.append(pg)
-                errors = []
-                try:
-                    if batched:
-                        side.core.extend_batch(lcs, tokens, pages=pages if engine else None)
-                    else:
-                        for lc, t, pg in zip(lcs, tokens, pages, strict=True):
-                            lc.extend([t] if isinstance(t, int) else list(t), pages=pg)
-                except kvo.BackendError as exc:
-                    errors.append(str(exc))
-                    for lc in lcs:  # the engine takes back the pages of entries not applied
-                        held = set(lc.device_pages)
-                        handed = side.given[lc.id]
-                        side.free.extend(reversed([p for p in handed if p not in held]))
-                        side.given[lc.id] = [p for p in handed if p in held]
-                side.last_error = errors  # type: ignore[attr-defined]
+            for _ in range(arg[0] if kind == "run" else 1):  # a run: the same batch, step after step
+                if not entries or _short_of_pages(a):
+                    break
+                _step(a, b, entries, engine, batched=kind != "single")
         elif kind in ("finish", "abort") and a.lcs:
             i = arg % len(a.lcs)
             if a.lcs[i].state is kvo.LifecycleState.RELEASED or (
@@ -202,9 +201,57 @@ def test_a_batch_is_the_sequential_extends(
             for side in (a, b):
                 t = list(side.core.inflight.values())[arg % len(side.core.inflight)]
                 side.core.complete([(t, None)])
-        assert getattr(a, "last_error", None) == getattr(b, "last_error", None)
-        assert a.snapshot() == b.snapshot()
-        a.core.check_invariants()
+        _same(a, b)
+
+
+def _short_of_pages(side: Side) -> bool:
+    """Whether a step might not find its device pages (a batch then refuses as a whole
+    where the sequential extends apply the entries before the one that fails)."""
+    if side.engine:
+        return len(side.free) < 12
+    return side.core.device_pool.free_pages < 12
+
+
+def _same(a: Side, b: Side) -> None:
+    assert getattr(a, "last_error", None) == getattr(b, "last_error", None)
+    assert a.snapshot() == b.snapshot()
+    a.core.check_invariants()
+    b.core.check_invariants()
+
+
+def _step(a: Side, b: Side, entries: list[tuple[int, Any]], engine: bool, batched: bool) -> None:
+    """One step of ``entries`` (position, token(s)) on both sides: ``a`` through
+    ``extend_batch`` (or, not ``batched``, through each lifecycle's ``extend``), ``b``
+    through each lifecycle's ``extend``; then both sides are compared."""
+    for side, batch in ((a, batched), (b, False)):
+        lcs = [side.lcs[i] for i, _ in entries]
+        tokens = [t for _, t in entries]
+        pages: list[Any] = []
+        committed: dict[int, int] = {}
+        for lc, t in zip(lcs, tokens, strict=True):
+            k = 1 if isinstance(t, int) else len(t)
+            before = committed.get(lc.id, lc.committed)
+            pg = side.pages_for(lc, before, k)
+            if pg is not None:
+                side.given[lc.id] += pg
+            committed[lc.id] = before + k
+            pages.append(pg)
+        errors = []
+        try:
+            if batch:
+                side.core.extend_batch(lcs, tokens, pages=pages if engine else None)
+            else:
+                for lc, t, pg in zip(lcs, tokens, pages, strict=True):
+                    lc.extend([t] if isinstance(t, int) else list(t), pages=pg)
+        except kvo.BackendError as exc:
+            errors.append(str(exc))
+            for lc in lcs:  # the engine takes back the pages of entries not applied
+                held = set(lc.device_pages)
+                handed = side.given[lc.id]
+                side.free.extend(reversed([p for p in handed if p not in held]))
+                side.given[lc.id] = [p for p in handed if p in held]
+        side.last_error = errors  # type: ignore[attr-defined]
+    _same(a, b)
 
 
 def _batch_side(engine: bool) -> Side:

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING
 
 from kvoffload.errors import InvariantViolation
 from kvoffload.keys import TOKEN_TYPECODE
+from kvoffload.lifecycle.core import EXTEND_SELF_LOOP
 from kvoffload.lifecycle.spec import LifecycleState
 
 if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
+    from kvoffload.core.rows import DecodeRows
 
 __all__ = ["check"]
 
@@ -35,6 +37,9 @@ def check(mgr: OffloadCore) -> None:
     )
     for name in c.names:
         expect(getattr(c, name) >= 0, lambda: f"counter {name} is negative: {getattr(c, name)}")
+    rows = mgr.rows
+    if rows is not None:
+        _check_rows(rows, expect)
     counts = [0, 0, 0, 0]
     dev_pages: set[int] = set()
     dev_total = 0
@@ -48,14 +53,18 @@ def check(mgr: OffloadCore) -> None:
             lambda: f"{lc!r}: submitted {lc.submitted} / committed {lc.committed}",
         )
         expect(lc.submitted % ps == 0, lambda: f"{lc!r}: submitted {lc.submitted} is not page-aligned")
-        expect(len(lc._tail) == lc.committed - lc.submitted, lambda: f"{lc!r}: tail length {len(lc._tail)}")
+        held = rows.pending(lc) if rows is not None else 0  # tokens its batch row holds
+        expect(
+            len(lc._tail) + held == lc.committed - lc.submitted,
+            lambda: f"{lc!r}: tail length {len(lc._tail)} (+{held} in its row)",
+        )
         expect(
             len(lc.device_pages) == -(-lc.committed // ps),
             lambda: f"{lc!r}: {len(lc.device_pages)} device pages for {lc.committed} tokens",
         )
         expect(lc._cap == len(lc.device_pages) * ps, lambda: f"{lc!r}: capacity {lc._cap} out of sync")
         narrow = lc._tail.typecode == TOKEN_TYPECODE
-        quiet = lc.due - 1 if lc._s in (0, 1) and narrow and not mgr.observed else -1
+        quiet = lc.due - 1 if lc._s in (0, 1) and narrow and not mgr.observed and lc._row < 0 else -1
         expect(lc._quiet == quiet, lambda: f"{lc!r}: fast-path threshold {lc._quiet}, should be {quiet}")
         expect(lc.inflight >= 0, lambda: f"{lc!r}: negative inflight")
         if lc._s == LifecycleState.PENDING.value:
@@ -138,3 +147,47 @@ def check(mgr: OffloadCore) -> None:
         problems.append(str(exc))
     if problems:
         raise InvariantViolation("; ".join(problems))
+
+
+def _check_rows(rows: DecodeRows, expect: Callable[[bool, Callable[[], str]], None]) -> None:
+    """extend_batch's rows (kvoffload.core.rows): rows and lifecycles agree, every row
+    is listed for its next visit and its pages, and none is ever missed."""
+    n = 0
+    listed: dict[int, set[int]] = {}
+    for s, rs in rows.visits.items():
+        for r in rs:
+            listed.setdefault(r, set()).add(s)
+    for r, lc in enumerate(rows.row_lc):
+        if lc is None:
+            continue
+        n += 1
+        expect(lc._row == r, lambda: f"{lc!r} is in row {r} but says {lc._row}")
+        k = rows.step - lc._from
+        expect(0 <= k < rows.width, lambda: f"{lc!r}: its row holds {k} tokens, at most {rows.width - 1}")
+        other = rows.other_at[r]
+        expect(other > rows.step, lambda: f"{lc!r}: its row's visit at step {other} has passed")
+        expect(
+            listed.get(r) == {other},
+            lambda: f"{lc!r}: its row's visit at {other}, listed at {listed.get(r)}",
+        )
+        phase = (rows.step + lc._cap + 1 - lc._committed - k) % rows.page_size
+        expect(
+            [f for f, rs in enumerate(rows.paging) for q in rs if q == r] == [phase],
+            lambda: f"{lc!r}: its row does not take its pages at steps {phase} mod {rows.page_size}",
+        )
+        expect(
+            EXTEND_SELF_LOOP[lc._s] and lc._deferred_since is None and not rows.core.observed,
+            lambda: f"{lc!r} holds a row but extend is not its plain step",
+        )
+        expect(lc._quiet == -1, lambda: f"{lc!r} holds a row but its fast path is open")
+        expect(lc._core is rows.core, lambda: f"{lc!r} holds a row of another core")
+    expect(n == rows.attached, lambda: f"{rows.attached} rows counted, {n} held")
+    entries = sum(map(len, rows.visits.values()))
+    expect(entries == n, lambda: f"{entries} visits listed for {n} rows")
+    paging = sum(map(len, rows.paging))
+    expect(paging == n, lambda: f"{paging} rows take pages, {n} held")
+    if rows.batch is not None:
+        expect(
+            sorted(lc._row for lc in rows.batch) == sorted(r for r, lc in enumerate(rows.row_lc) if lc),
+            lambda: "the rows held are not those of the last batch",
+        )

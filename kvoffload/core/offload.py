@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvoffload.abc import Completion, Transfer, WriteJob
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import DEBUG, Listener, RateLimit, logger, notify_listeners, refresh_debug
+from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import InvalidTokens, InvalidTransition, KVOffloadError, PageError, PoolExhausted
 from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_digests, validate_tokens
@@ -50,6 +51,9 @@ _FINISHING = LifecycleState.FINISHING.value
 _RELEASED = LifecycleState.RELEASED.value
 _U32 = 1 << 32
 _TOKEN_LIMIT = 1 << 63
+#: extend_batch keeps array state (DecodeRows) for batches of at least this many
+#: lifecycles; below it a plain loop costs less than the arrays' fixed cost.
+ROWS_MIN = 32
 #: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
@@ -157,6 +161,10 @@ class OffloadCore:
         self.observed = False
         # closing: no copy may start (nothing would deliver it); set once by close().
         self.closing = False
+        # rows: extend_batch's array state, made by the first batch of rows_min or more
+        # lifecycles (kvoffload.core.rows); batches smaller than that take a plain loop.
+        self.rows: DecodeRows | None = None
+        self.rows_min = ROWS_MIN
         # _released: lifecycles released by the current call, returned by it.
         self._released: list[Lifecycle] = []
         # stuck_reported: ids of in-flight transfers the watchdog reported (F18).
@@ -212,7 +220,7 @@ class OffloadCore:
         lc.tag = tag
         lc.device_pages = dev
         lc._cap = len(dev) * ps
-        lc.committed = n
+        lc._committed = n
         seed = bytes.fromhex(chain_seed) if chain_seed else b""
         lc._chain = seed
         if stored:  # the stored prefix seeds the chain (its pages are never copied)
@@ -283,19 +291,22 @@ class OffloadCore:
         the quiet decode step). All or nothing: a bad token, a full device pool or a
         refused submission raises and changes nothing."""
         self._check(lc, _EXTEND)
-        self._extend_valid(lc, validate_tokens(tokens), pages, ready)
+        toks = validate_tokens(tokens)
+        if lc._row >= 0:  # its extend_batch row gives it back: this step is not the batch's
+            cast("DecodeRows", self.rows).detach(lc)
+        self._extend_valid(lc, toks, pages, ready)
 
     def _extend_valid(self, lc: Lifecycle, toks: array[int], pages: Any, ready: Any) -> None:
         """:meth:`extend` once the event is legal and the tokens are a checked array."""
         n = len(toks)
-        committed = lc.committed + n
+        committed = lc._committed + n
         ps = self.config.page_size
         held = len(lc.device_pages)
         need = max(0, -(-committed // ps) - held)
         if need or pages:
             lc.device_pages += self._take_pages(need, pages)
             lc._cap = len(lc.device_pages) * ps
-        lc.committed = committed
+        lc._committed = committed
         if toks.typecode != lc._tail.typecode:  # an id >= 2**32: this tail holds uint64 from now on
             if lc._tail.typecode == TOKEN_TYPECODE:
                 lc._tail = array(WIDE_TYPECODE, lc._tail)
@@ -312,7 +323,7 @@ class OffloadCore:
                 self._submit(lc, pending - pending % self.config.stride, ready)
             except BaseException:  # the mover refused: extend is all or nothing
                 del lc._tail[len(lc._tail) - n :]
-                lc.committed = committed - n
+                lc._committed = committed - n
                 if len(lc.device_pages) > held:
                     self.device_pool.free(lc.device_pages[held:])
                     del lc.device_pages[held:]
@@ -342,6 +353,16 @@ class OffloadCore:
                 + (f", {len(pages)} page entries" if pages is not None else "")
                 + ": one entry per lifecycle"
             )
+        rows = self.rows
+        if n >= self.rows_min and not self.observed:
+            if rows is None:
+                rows = self.rows = DecodeRows(self)
+            if rows.step_batch(
+                lifecycles if type(lifecycles) is list else list(lifecycles), tokens, pages, ready
+            ):
+                return
+        elif rows is not None and rows.attached:
+            rows.detach_all()  # the ordinary paths below read and write the tails
         if ready is None and not self.observed and self._extend_quiet(lifecycles, tokens, pages):
             return
         self._extend_checked(lifecycles, tokens, pages, ready)
@@ -367,7 +388,7 @@ class OffloadCore:
                 for lc, t in zip(lifecycles, tokens, strict=True):  # lengths checked
                     if type(t) is not int or lc._core is not self:
                         break
-                    c = lc.committed + 1
+                    c = lc._committed + 1
                     if c > lc._quiet:
                         if lc._quiet < 0:
                             break
@@ -377,7 +398,7 @@ class OffloadCore:
                         self.grow(lc, c)
                         paged.append(lc)
                     lc._tail.append(t)  # OverflowError for an id < 0 or >= 2**32: nothing appended
-                    lc.committed = c
+                    lc._committed = c
                     done += 1
             except (OverflowError, KVOffloadError):
                 if paged and done < len(lifecycles) and paged[-1] is lifecycles[done]:
@@ -396,7 +417,7 @@ class OffloadCore:
                 t = tokens[i]
                 if type(t) is not int or lc._core is not self or not 0 <= t < _U32:
                     break
-                c = lc.committed + 1
+                c = lc._committed + 1
                 if c > lc._quiet:
                     if lc._quiet < 0:
                         break
@@ -414,7 +435,7 @@ class OffloadCore:
                 elif engine and pages is not None and pages[i]:
                     break  # pages given where none is needed: the checked path says so
                 lc._tail.append(t)
-                lc.committed = c
+                lc._committed = c
                 done += 1
         except KVOffloadError:
             pass  # a page could not be had: undo, and let the checked path raise
@@ -435,8 +456,8 @@ class OffloadCore:
         stride = self.config.stride
         for k, (i, lc) in enumerate(due):
             self._requiet(lc)
-            if lc.committed >= lc.due and lc._deferred_since is None:
-                pending = lc.committed - lc.submitted
+            if lc._committed >= lc.due and lc._deferred_since is None:
+                pending = lc._committed - lc.submitted
                 try:
                     self._submit(lc, pending - pending % stride, None)
                 except BaseException:
@@ -461,8 +482,8 @@ class OffloadCore:
         ps = self.config.page_size
         for lc in reversed(lifecycles[stop:done]):
             lc._tail.pop()
-            lc.committed -= 1
-            if paged and paged[-1] is lc and lc._cap - ps >= lc.committed:
+            lc._committed -= 1
+            if paged and paged[-1] is lc and lc._cap - ps >= lc._committed:
                 paged.pop()
                 self.device_pool.free([lc.device_pages.pop()])
                 lc._cap -= ps
@@ -488,7 +509,7 @@ class OffloadCore:
             toks = validate_tokens([t] if type(t) is int else t, f"tokens[{i}]")
             arrays.append(toks)
             k = len(toks)
-            before = grown.get(lc.id, lc.committed)
+            before = grown.get(lc.id, lc._committed)
             grown[lc.id] = before + k
             need = max(0, -(-(before + k) // ps) - max(len(lc.device_pages), -(-before // ps)))
             new_pages += need
@@ -524,7 +545,12 @@ class OffloadCore:
     def _requiet(self, lc: Lifecycle) -> None:
         """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle). No
         fast path while someone observes events: the full path emits them."""
-        quiet = EXTEND_SELF_LOOP[lc._s] and lc._tail.typecode == TOKEN_TYPECODE and not self.observed
+        quiet = (
+            EXTEND_SELF_LOOP[lc._s]
+            and lc._tail.typecode == TOKEN_TYPECODE
+            and not self.observed
+            and lc._row < 0  # a row's tokens are not in the tail yet: no fast path
+        )
         lc._quiet = lc.due - 1 if quiet else -1
 
     def grow(self, lc: Lifecycle, committed: int) -> bool:
@@ -544,6 +570,8 @@ class OffloadCore:
         """The request finished: flush the page-aligned remainder (F12), then FINISHING,
         or RELEASED at once when nothing is in flight. Returns what it released."""
         self._check(lc, _FINISH)
+        if lc._row >= 0:
+            cast("DecodeRows", self.rows).detach(lc)
         self._flush(lc, refusal_raises=True)
         self._fire(lc, _FINISH)
         return self._take_released()
@@ -552,6 +580,8 @@ class OffloadCore:
         """No new chunks; in-flight ones are discarded on completion; RELEASED (ABORTED)
         after the last one, or at once. Returns what it released."""
         self._check(lc, _ABORT)
+        if lc._row >= 0:
+            cast("DecodeRows", self.rows).detach(lc)
         lc._aborted = True
         if lc._deferred_since is not None:
             lc._deferred_since = None
@@ -599,7 +629,7 @@ class OffloadCore:
 
     # --- chunks --------------------------------------------------------------------------
 
-    def _submit(self, lc: Lifecycle, n: int, ready: Any = None) -> bool:
+    def _submit(self, lc: Lifecycle, n: int, ready: Any = None, now: float | None = None) -> bool:
         """Submit the next ``n`` tokens (page-aligned) of ``lc`` as one chunk.
 
         Order (F10): host pages first, then the mover's ``accept``, then the bookkeeping
@@ -623,11 +653,21 @@ class OffloadCore:
             return False
         first = lc.submitted // ps
         digests = page_run_digests(lc._chain, lc._tail[:n], ps)
-        keys = [d.hex() for d in digests]
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
         t = Transfer(
-            lc, lc.device_pages[first : first + npages], host, keys, lc.submitted, n, now, stream, ready, True
+            lc,
+            lc.device_pages[first : first + npages],
+            host,
+            None,
+            lc.submitted,
+            n,
+            now,
+            stream,
+            ready,
+            True,
+            digests,
         )
         t.seq = self.next_seq
         try:
@@ -659,8 +699,84 @@ class OffloadCore:
                 first_token=t.first_token,
                 stream=t.stream,
             )
-        self._fire(lc, _SUBMIT)
+        self._fire(lc, _SUBMIT, now)
         return True
+
+    def _submit_rows(self, run: list[Lifecycle], ready: Any, now: float, progress: list[int]) -> None:
+        """The due chunks of one batched decode step: exactly ``_submit(lc, the due
+        stride-aligned tokens)`` for each lifecycle of ``run`` in order (each synced,
+        not deferred, due), in stages - host pages for all, then their keys, then each
+        transfer accepted and written down - so each stage runs as one tight loop.
+
+        ``progress[0]`` counts the lifecycles done. A mover that refuses one raises
+        there: the ones before it are submitted (or dropped), it and the ones after are
+        not, and every host page taken for them is back, the free list as it was.
+        """
+        if self.closing:
+            raise KVOffloadError(f"{run[0]!r}: the manager is closed, no copy can start; abort() releases it")
+        cfg = self.config
+        ps = cfg.page_size
+        stride = cfg.stride
+        most = cfg.host_pages * ps
+        take = self.host_pool.try_allocate
+        plan: list[tuple[Lifecycle, int, int, list[int] | None]] = []
+        for lc in run:  # host pages in order: each as its own submit would find the pool
+            pending = lc._committed - lc.submitted
+            want = pending - pending % stride
+            n = min(want, most)
+            plan.append((lc, want, n, take(n // ps)))
+        chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plan]
+        streams = self.streams
+        accept = self.accept
+        inflight = self.inflight
+        chunks = pages = 0
+        try:
+            for j, (lc, want, n, host) in enumerate(plan):
+                if host is None:
+                    self._host_full(lc, want // ps)
+                    progress[0] += 1
+                    continue
+                digests = chains[j]
+                first = lc.submitted // ps
+                npages = n // ps
+                t = Transfer(
+                    lc,
+                    lc.device_pages[first : first + npages],
+                    host,
+                    None,
+                    lc.submitted,
+                    n,
+                    now,
+                    lc.id % streams,
+                    ready,
+                    True,
+                    digests,
+                )
+                t.seq = self.next_seq
+                try:
+                    accept(t)
+                except BaseException:
+                    for _, _, _, h in reversed(plan[j:]):  # last taken first: the free list as it was
+                        if h is not None:
+                            self.host_pool.free(h)
+                    raise
+                del lc._tail[:n]
+                lc.submitted += n
+                lc._chain = digests[-1]  # type: ignore[index]
+                lc.due = lc.submitted + stride
+                lc.inflight += 1
+                inflight[t.id] = t
+                self.next_seq += 1
+                chunks += 1
+                pages += npages
+                self._fire(lc, _SUBMIT, now)
+                progress[0] += 1
+        finally:
+            c = self.counters
+            c.chunks_submitted += chunks
+            c.chunks_inflight += chunks
+            c.pages_submitted += pages
+            c.pages_inflight += pages
 
     def _host_full(self, lc: Lifecycle, npages: int) -> None:
         c = self.counters
@@ -1043,6 +1159,8 @@ class OffloadCore:
             lc._s = dest
             lc.state_since = self.clock() if now is None else now
             if not EXTEND_SELF_LOOP[dest]:
+                if lc._row >= 0:  # extend is no longer its plain step
+                    cast("DecodeRows", self.rows).detach(lc)
                 lc._quiet = -1
             if dest == _RELEASED:
                 if self.observed:
@@ -1135,6 +1253,8 @@ class OffloadCore:
         it changes, every live lifecycle's fast-path threshold follows (O(live), rare)."""
         observed = refresh_debug() or bool(self.listeners)
         if observed != self.observed:
+            if observed and self.rows is not None:
+                self.rows.detach_all()  # every step of theirs emits an event from now on
             self.observed = observed
             for lc in self.live.values():
                 self._requiet(lc)

@@ -94,17 +94,19 @@ class Lifecycle:
         "_aborted",
         "_cap",
         "_chain",
+        "_committed",
         "_core",
         "_deferred_since",
         "_failed",
+        "_from",
         "_log",
         "_owner",
         "_quiet",
         "_quiet_ev",
         "_released_ev",
+        "_row",
         "_s",
         "_tail",
-        "committed",
         "device_pages",
         "due",
         "id",
@@ -120,11 +122,15 @@ class Lifecycle:
     # rid: the caller's request id; a label for logs and metrics only.
     # tag: the engine's handle (e.g. its Req); carried, never read by kvoffload.
     # _s: index of the current state in STATES; changed only by OffloadCore._fire.
-    # committed: tokens whose KV is in device pages (prompt + extends).
+    # committed (a property): tokens whose KV is in device pages (prompt + extends):
+    #   _committed, plus the tokens its extend_batch row holds that the tail does not yet.
+    # _row: its row in the core's DecodeRows (kvoffload.core.rows), -1 when it holds none;
+    #   _from: the rows' step since which the row holds its tokens.
     # submitted: tokens covered by submitted chunks, or already stored; page-aligned.
     # Invariant: 0 <= self.submitted <= self.committed and self.submitted % page_size == 0
     # _tail: token ids committed[submitted:], kept to compute keys at submit time (F11).
-    # Invariant: len(self._tail) == self.committed - self.submitted
+    # Invariant: len(self._tail) + (rows' step - self._from if self._row >= 0 else 0)
+    #   == self.committed - self.submitted
     # _chain: SHA-256 digest of the page that ends at `submitted` (the chain seed's bytes
     #   before the first page; b"" at the root). Its hex is `chain_key`.
     # due: `committed` at which the next chunk is due (a stride past the last attempt).
@@ -152,7 +158,9 @@ class Lifecycle:
         self.rid = rid
         self.tag: Any = None
         self._s = 0  # PENDING
-        self.committed = 0
+        self._committed = 0
+        self._row = -1
+        self._from = 0
         self.submitted = 0
         self._tail: array[int] = array(TOKEN_TYPECODE)
         self._chain = b""
@@ -171,6 +179,15 @@ class Lifecycle:
         self._log: Any = None
 
     # --- reading -------------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        """Tokens whose KV is in device pages: the prompt and every extend."""
+        if self._row < 0:
+            return self._committed
+        rows = self._core.rows
+        assert rows is not None
+        return self._committed + rows.step - self._from
 
     @property
     def state(self) -> LifecycleState:
@@ -233,7 +250,7 @@ class Lifecycle:
         if type(tokens) is list and not pages and ready is None:
             if len(tokens) == 1:  # one decode step of one token: the hottest path
                 t = tokens[0]
-                committed = self.committed + 1
+                committed = self._committed + 1
                 if committed <= self._quiet and type(t) is int:
                     tail = self._tail
                     try:
@@ -242,10 +259,10 @@ class Lifecycle:
                         pass  # the full path raises the typed error
                     else:
                         if committed <= self._cap or self._grow(committed):
-                            self.committed = committed
+                            self._committed = committed
                             return
                         tail.pop()  # no page here: the full path asks for it (or raises)
-            committed = self.committed + len(tokens)
+            committed = self._committed + len(tokens)
             if committed <= self._quiet:
                 tail = self._tail
                 n0 = len(tail)
@@ -262,7 +279,7 @@ class Lifecycle:
                 except (TypeError, OverflowError, ValueError, KVOffloadError):
                     del tail[n0:]  # atomic: the full path raises the typed error
                 else:
-                    self.committed = committed
+                    self._committed = committed
                     return
         self._core.extend(self, tokens, pages=pages, ready=ready)
 
