@@ -46,9 +46,27 @@ def stored(storage: MemoryStorage, keys: list[str]) -> list[bytes | None]:
     return asyncio.run(storage.get(keys))
 
 
-def check_stored(engine: Engine, storage: MemoryStorage, req: Req, from_page: int, to_page: int) -> None:
+def writes_done(mgr: DecodeKVCacheOffloadManager) -> None:
+    """Scheduler iterations until the storage writes started so far are collected (they
+    run on the writer's thread), for at most 5 s: what an idle scheduler loop does."""
+    deadline = time.monotonic() + 5.0
+    mgr.check_offload_progress()
+    while mgr.statistics().pages_in_write and time.monotonic() < deadline:
+        time.sleep(0.001)
+        mgr.check_offload_progress()
+
+
+def check_stored(
+    mgr: DecodeKVCacheOffloadManager,
+    engine: Engine,
+    storage: MemoryStorage,
+    req: Req,
+    from_page: int,
+    to_page: int,
+) -> None:
     """Pages ``from_page..to_page`` of ``req`` are in storage under SGLang's keys, with
-    the engine's bytes."""
+    the engine's bytes (once the writes started so far are done)."""
+    writes_done(mgr)
     tokens = req.origin_input_ids + req.output_ids[:-1]
     seed = kvo.namespace_seed(req.extra_key, req.cache_salt)
     keys = ref_keys(tokens, PS, seed)[from_page:to_page]
@@ -63,11 +81,7 @@ def check_nothing_left_and_close(engine: Engine, mgr: DecodeKVCacheOffloadManage
     """Every page and row the engine handed out came back; kvoffload holds nothing. Then
     SGLang's shutdown (release_host_resources). Storage writes run on the writer's
     thread: the scheduler's idle iterations collect them (a bounded wait)."""
-    deadline = time.monotonic() + 5.0
-    mgr.check_offload_progress()
-    while mgr.statistics().pages_in_write and time.monotonic() < deadline:
-        time.sleep(0.001)
-        mgr.check_offload_progress()
+    writes_done(mgr)
     stats = mgr.statistics()
     assert stats.live_lifecycles == 0, stats
     assert stats.host_pages_used == 0, stats
@@ -151,7 +165,7 @@ def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None
     mgr.check_offload_progress()
     assert engine.tree.released == ["a"] and req.kv.released == 1
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(engine, storage, req, 1, n // PS)
+    check_stored(mgr, engine, storage, req, 1, n // PS)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -180,8 +194,8 @@ def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
     sim.complete_all()
     mgr.check_offload_progress()
     assert engine.tree.released == ["same", "same"] and second.kv.released == 1
-    check_stored(engine, storage, first, 2, (8 + 8) // PS)
-    check_stored(engine, storage, second, 2, (8 + 29) // PS)
+    check_stored(mgr, engine, storage, first, 2, (8 + 8) // PS)
+    check_stored(mgr, engine, storage, second, 2, (8 + 29) // PS)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -278,7 +292,7 @@ def test_host_pool_full_then_retry(engine: Engine) -> None:
         sim.complete_all()
         mgr.check_offload_progress()
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(engine, storage, req, 1, n // PS)
+    check_stored(mgr, engine, storage, req, 1, n // PS)
     assert mgr.statistics().pages_lost == 0
     check_nothing_left_and_close(engine, mgr)
 
@@ -311,7 +325,7 @@ def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: b
         engine.iteration()
     settle(mgr)
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(engine, storage, req, 1, n // PS)
+    check_stored(mgr, engine, storage, req, 1, n // PS)
     # Nothing stored before the retraction was copied again.
     pages_of_req = n // PS - 1
     other_pages = (len(other.origin_input_ids) + len(other.output_ids) - 1) // PS - 2
@@ -394,7 +408,7 @@ def test_the_page_aligned_tail_is_flushed_at_finish(engine: Engine) -> None:
     settle(mgr)
     n = len(req.origin_input_ids) + len(req.output_ids) - 1
     assert n // PS == 4  # 3 whole pages beyond the prompt: less than a stride
-    check_stored(engine, storage, req, 1, 4)
+    check_stored(mgr, engine, storage, req, 1, 4)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -413,7 +427,7 @@ def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
     settle(mgr)
     for r in reqs:
         n = len(r.origin_input_ids) + len(r.output_ids) - 1
-        check_stored(engine, storage, r, 1, n // PS)
+        check_stored(mgr, engine, storage, r, 1, n // PS)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -425,7 +439,7 @@ def test_namespaces_keep_requests_apart(engine: Engine) -> None:
     engine.run([a, b])
     settle(mgr)
     for r in (a, b):
-        check_stored(engine, storage, r, 2, 4)
+        check_stored(mgr, engine, storage, r, 2, 4)
     unseeded = ref_keys(a.origin_input_ids + a.output_ids[:-1], PS)[2:4]
     assert stored(storage, unseeded) == [None, None]
     mgr.release_host_resources()
@@ -510,7 +524,7 @@ def test_mla_pools_are_offloaded() -> None:
     req = Req("a", list(range(6)), max_new=15)
     engine.run([req])
     settle(mgr)
-    check_stored(engine, storage, req, 1, (6 + 14) // PS)
+    check_stored(mgr, engine, storage, req, 1, (6 + 14) // PS)
     mgr.release_host_resources()
 
 
@@ -559,7 +573,7 @@ def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> Non
     for r in reqs:
         assert r.kv.released == 1
         n = len(r.origin_input_ids) + len(r.output_ids) - 1
-        check_stored(engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
+        check_stored(mgr, engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
     check_nothing_left_and_close(engine, mgr)
 
 
