@@ -10,9 +10,18 @@ Rows, kvoffload and the baselines alternating within every round (the order rota
 each round), each ratio the median of per-round ratios - on a shared machine absolute
 times drift by 2x between minutes, the ratio of neighbours does not:
   per-request  ``lc.extend([token])`` for each of 512 requests (prompt 16 tokens);
-  batched      ``mgr.extend_batch(lifecycles, tokens)`` for the same step;
+  batched      ``mgr.extend_batch(lifecycles, tokens)`` for the same step (a list of
+               ints, as ``next_token_ids.tolist()`` gives it);
+  staggered    the same two, request i being i % 64 steps ahead: 8 chunks due every
+               step, as in serving, instead of all 512 every 64th step;
+  churn        the same two on a batch that changes every step (2 of 514 running
+               requests left out, a different 2 each step, order kept): what an engine's
+               batch does as requests finish and join. No target: it shows what a
+               changed batch costs (extend_batch re-seats its array state, O(n));
   prompt N     per-request on 64 requests whose prompts are N tokens (16, 2k, 8k, 32k):
                the cost of a step must not grow with the sequence.
+Crossover: extend_batch with and without its array state (kvoffload.core.rows) on
+staggered batches of 16, 32 and 64: where ROWS_MIN belongs.
 Baselines:
   dict    - a lower bound of plain-Python bookkeeping for these steps: per-request
             dicts keyed by request id, a free list of pages, the same SHA-256 key
@@ -46,6 +55,7 @@ from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
+from kvoffload.core.offload import ROWS_MIN
 from kvoffload.testing import SimBackend
 
 N = 512
@@ -85,14 +95,29 @@ class NoCopySim(SimBackend):
 
 class Kvo:
     """``n`` lifecycles with ``prompt``-token prompts on a SyncOffloadManager; one stride of
-    decode steps per round, per request (``extend``) or batched (``extend_batch``)."""
+    decode steps per round, per request (``extend``) or batched (``extend_batch``; with
+    ``rows_min``, the core's threshold for its array state). ``spare``: that many more
+    running requests, and every step leaves a different ``spare`` of them out (churn)."""
 
-    def __init__(self, n: int, prompt: int, batched: bool = False, stagger: bool = False) -> None:
+    def __init__(
+        self,
+        n: int,
+        prompt: int,
+        batched: bool = False,
+        stagger: bool = False,
+        spare: int = 0,
+        rows_min: int | None = None,
+    ) -> None:
         self.n = n
         self.batched = batched
+        self.spare = spare
         self.backend = NoCopySim()
-        self.mgr = kvo.SyncOffloadManager(cfg(n, prompt), backend=self.backend).open()
-        self.lcs = [self.mgr.admit(f"r{i}", list(range(prompt))) for i in range(n)]
+        self.mgr = kvo.SyncOffloadManager(cfg(n + spare, prompt), backend=self.backend).open()
+        if rows_min is not None:
+            self.mgr.core.rows_min = rows_min
+        self.all = [self.mgr.admit(f"r{i}", list(range(prompt))) for i in range(n + spare)]
+        self.lcs = self.all[:n]
+        self.t = 0
         self.tokens = [7] * n
         if stagger:  # request i is i % STRIDE steps ahead: n / STRIDE chunks due every step
             for i, lc in enumerate(self.lcs):
@@ -102,6 +127,8 @@ class Kvo:
 
     def round(self) -> float:
         """Seconds per request-step of one stride (chunks and their delivery included)."""
+        if self.spare:
+            return self._churn_round()
         lcs, mgr, tok = self.lcs, self.mgr, [7]
         t0 = time.perf_counter()
         if self.batched:
@@ -121,9 +148,29 @@ class Kvo:
         t3 = time.perf_counter()
         return ((t1 - t0) + (t3 - t2)) / (self.n * STRIDE)
 
+    def _churn_round(self) -> float:
+        mgr, tok, one, every, n = self.mgr, self.tokens, [7], self.all, self.n
+        t0 = time.perf_counter()
+        for _ in range(STRIDE):
+            j = self.t % n
+            self.t += 1
+            lcs = every[:j] + every[j + self.spare :]  # order kept, `spare` left out
+            if self.batched:
+                mgr.extend_batch(lcs, tok)
+            else:
+                for lc in lcs:
+                    lc.extend(one)
+            mgr.poll()
+        t1 = time.perf_counter()
+        self.backend.signal_all()
+        t2 = time.perf_counter()
+        mgr.poll()
+        t3 = time.perf_counter()
+        return ((t1 - t0) + (t3 - t2)) / (n * STRIDE)
+
     def close(self) -> None:
         self.mgr.check_invariants()
-        for lc in self.lcs:
+        for lc in self.all:
             lc.abort()
         self.mgr.close()
 
@@ -226,14 +273,16 @@ def interleaved() -> dict[str, list[float]]:
     base = Dict()
     rows["dict"] = base.round
     rows["dict staggered"] = Dict(stagger=True).round
-    for name, n, prompt, batched, stagger in [
-        ("per-request", N, 16, False, False),
-        ("batched", N, 16, True, False),
-        ("per-request staggered", N, 16, False, True),
-        ("batched staggered", N, 16, True, True),
-        *((f"prompt {p}", N_LONG, p, False, False) for p in PROMPTS),
+    for name, n, prompt, batched, stagger, spare in [
+        ("per-request", N, 16, False, False, 0),
+        ("batched", N, 16, True, False, 0),
+        ("per-request staggered", N, 16, False, True, 0),
+        ("batched staggered", N, 16, True, True, 0),
+        ("per-request churn", N, 16, False, False, 2),
+        ("batched churn", N, 16, True, False, 2),
+        *((f"prompt {p}", N_LONG, p, False, False, 0) for p in PROMPTS),
     ]:
-        k = Kvo(n, prompt, batched, stagger)
+        k = Kvo(n, prompt, batched, stagger, spare)
         rows[name] = k.round
         closers.append(k.close)
     out: dict[str, list[float]] = {name: [] for name in rows}
@@ -248,6 +297,24 @@ def interleaved() -> dict[str, list[float]]:
     finally:
         for close in closers:
             close()
+    return out
+
+
+def crossover(sizes: tuple[int, ...] = (16, 32, 64), rounds: int = ROUNDS) -> dict[int, float]:
+    """For staggered batches of each size: the median of per-round ratios of extend_batch
+    with its array state (rows_min=1) to extend_batch without it (its plain loop)."""
+    out: dict[int, float] = {}
+    for n in sizes:
+        rows, loop = Kvo(n, 16, True, True, rows_min=1), Kvo(n, 16, True, True, rows_min=10**9)
+        rows.round()
+        loop.round()
+        ratios = []
+        for _ in range(rounds):
+            a = rows.round()
+            ratios.append(a / loop.round())
+        out[n] = statistics.median(ratios)
+        rows.close()
+        loop.close()
     return out
 
 
@@ -409,6 +476,16 @@ def main() -> int:
     r_batch_s = ratio("batched staggered", "dict staggered")
     print(f"{'per-request, staggered':<30}{med['per-request staggered'] * 1e6:>9.3f}{r_req_s:>9.2f}x")
     print(f"{'batched, staggered':<30}{med['batched staggered'] * 1e6:>9.3f}{r_batch_s:>9.2f}x")
+    print("churn: the batch changes every step (2 of 514 left out, a different 2 each step); no target")
+    r_req_c, r_batch_c = ratio("per-request churn", "dict"), ratio("batched churn", "dict")
+    print(f"{'per-request, churn':<30}{med['per-request churn'] * 1e6:>9.3f}{r_req_c:>9.2f}x")
+    print(f"{'batched, churn':<30}{med['batched churn'] * 1e6:>9.3f}{r_batch_c:>9.2f}x")
+    cross = crossover()
+    print(
+        "extend_batch with its array state / without, staggered batch of "
+        + ", ".join(f"{n}: {r:.2f}x" for n, r in cross.items())
+        + f"  (the core keeps it from {ROWS_MIN} lifecycles)"
+    )
     print(f"{'per-request, prompt of':<30}{'µs':>9}{'vs 16':>10}   ({N_LONG} live)")
     for p in PROMPTS:
         name = f"prompt {p}"

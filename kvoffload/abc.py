@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias, cast
 
 from kvoffload.errors import BackendError
 
@@ -33,7 +33,8 @@ __all__ = [
 
 TransferId = NewType("TransferId", int)
 
-_transfer_ids = itertools.count(1)
+#: Transfer ids, process-wide (typed as TransferId without a call per transfer).
+_transfer_ids = cast("Iterator[TransferId]", itertools.count(1))
 
 
 class Transfer:
@@ -81,7 +82,7 @@ class Transfer:
         owned: bool = False,
         digests: list[bytes] | None = None,
     ) -> None:
-        self.id = TransferId(next(_transfer_ids))
+        self.id = next(_transfer_ids)
         self.lifecycle = lifecycle
         self.device_pages = device_pages
         self.host_pages = host_pages

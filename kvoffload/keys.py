@@ -237,12 +237,10 @@ def page_run_digests(prev: bytes, tokens: array[int], page_size: int) -> list[by
     out: list[bytes] = []
     d = prev
     if tokens.typecode == TOKEN_TYPECODE:
-        packed = pack_tokens(tokens)
+        packed = tokens.tobytes() if _LITTLE else pack_tokens(tokens)
         step = 4 * page_size
         for off in range(0, len(packed), step):
-            h = sha(d)
-            h.update(packed[off : off + step])
-            d = h.digest()
+            d = sha(d + packed[off : off + step]).digest()
             out.append(d)
         return out
     for off in range(0, len(tokens), page_size):

@@ -21,9 +21,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvoffload as kvo
+import kvoffload.core.rows as rows_module
 from kvoffload.abc import Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, EnginePages, HostPool
+
+#: Device pages of each side's pool (the engine's, or kvoffload's own).
+PAGES = 160
 
 
 class Side:
@@ -44,16 +48,16 @@ class Side:
         args = (config.page_size, config.kv_shape, config.dtype)
         device: Any
         if engine:
-            device = EnginePages([torch.zeros(64, config.page_size, 1)], config.page_size)
+            device = EnginePages([torch.zeros(PAGES, config.page_size, 1)], config.page_size)
             host = HostPool.new(config.host_pages, (device.page_bytes,), "uint8")
         else:
-            device = DevicePool.create(64, *args)
+            device = DevicePool.create(PAGES, *args)
             host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype)
         self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.accept)
         if rows_min is not None:
             self.core.rows_min = rows_min
         self.lcs: list[kvo.Lifecycle] = []
-        self.free = list(range(63, -1, -1))
+        self.free = list(range(PAGES - 1, -1, -1))
         self.given: dict[int, list[int]] = {}
         self.core.host.on_released = self.released  # type: ignore[attr-defined]
 
@@ -120,39 +124,60 @@ step = st.one_of(
     stride_pages=st.integers(1, 3),
     host_pages=st.integers(3, 12),
     offload_prompt=st.booleans(),
+    wait=st.booleans(),
     engine=st.booleans(),
     prompts=st.lists(st.lists(st.integers(0, 9), max_size=9), min_size=1, max_size=6),
     steps=st.lists(step, min_size=1, max_size=25),
     refuse=st.frozensets(st.integers(0, 12), max_size=3),
     rows=st.booleans(),
+    width=st.sampled_from([1, 2, 3, 256]),
 )
 def test_a_batch_is_the_sequential_extends(
     page_size: int,
     stride_pages: int,
     host_pages: int,
     offload_prompt: bool,
+    wait: bool,
     engine: bool,
     prompts: list[list[int]],
     steps: list[Any],
     refuse: frozenset[int],
     rows: bool,
+    width: int,
 ) -> None:
     """... and a mover that refuses a chunk mid-batch leaves both sides alike: the
     entries before it extended, the rest not, the same error raised."""
     config = kvo.OffloadConfig(
         page_size=page_size,
         stride=page_size * stride_pages,
-        device_pages=None if engine else 64,
+        device_pages=None if engine else PAGES,
         host_pages=max(host_pages, stride_pages),
         kv_shape=(1,),
         dtype="float32",
         offload_prompt=offload_prompt,
+        on_host_full="wait" if wait else "drop",  # wait: a chunk deferred until host pages return
     )
+    saved = rows_module._MAX_WIDTH  # a narrow log: rows are synced because theirs is full
+    rows_module._MAX_WIDTH = width
+    try:
+        _run_schedule(config, engine, prompts, steps, refuse, rows)
+    finally:
+        rows_module._MAX_WIDTH = saved
+
+
+def _run_schedule(
+    config: kvo.OffloadConfig,
+    engine: bool,
+    prompts: list[list[int]],
+    steps: list[Any],
+    refuse: frozenset[int],
+    rows: bool,
+) -> None:
     a, b = Side(config, engine, refuse, rows_min=1 if rows else 10**9), Side(config, engine, refuse)
     last: list[int] = []  # the positions of the last batch of one token each (else all running)
     for kind, arg in [("admit", p) for p in prompts] + steps:
         if kind == "admit":
-            if len(a.lcs) >= 6 or (engine and len(a.free) < 20):
+            if len(a.lcs) >= 6 or _short_of_pages(a):
                 continue
             admitted = []
             for side in (a, b):
@@ -206,10 +231,10 @@ def test_a_batch_is_the_sequential_extends(
 
 def _short_of_pages(side: Side) -> bool:
     """Whether a step might not find its device pages (a batch then refuses as a whole
-    where the sequential extends apply the entries before the one that fails)."""
-    if side.engine:
-        return len(side.free) < 12
-    return side.core.device_pool.free_pages < 12
+    where the sequential extends apply the entries before the one that fails): a step
+    takes at most 6 entries of 4 tokens, an admit 9 tokens, a page a token at worst."""
+    free = len(side.free) if side.engine else side.core.device_pool.free_pages
+    return free < 6 * 4 + 9
 
 
 def _same(a: Side, b: Side) -> None:
@@ -258,7 +283,7 @@ def _batch_side(engine: bool) -> Side:
     config = kvo.OffloadConfig(
         page_size=2,
         stride=4,
-        device_pages=None if engine else 64,
+        device_pages=None if engine else PAGES,
         host_pages=8,
         kv_shape=(1,),
         dtype="float32",
@@ -338,3 +363,53 @@ def test_engine_pages_named_twice_in_a_batch_are_refused() -> None:
     lcs = side.lcs[:2]
     with pytest.raises(kvo.PageError, match="twice"):
         side.core.extend_batch(lcs, [[1, 2], [3, 4]], pages=[[30], [30]])
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_a_lifecycle_left_out_of_the_batch_keeps_only_its_own_steps(engine: bool) -> None:
+    """A batch that drops a running lifecycle and takes it back later (a request the
+    engine pauses) and one that adds a new one: the array state follows the batch."""
+    config = kvo.OffloadConfig(
+        page_size=2,
+        stride=4,
+        device_pages=None if engine else PAGES,
+        host_pages=16,
+        kv_shape=(1,),
+        dtype="float32",
+    )
+    a, b = Side(config, engine, rows_min=1), Side(config, engine)
+    for prompt in ([1, 2, 3], [4], [5, 6]):
+        for side in (a, b):
+            pages = side.pages_for(None, 0, len(prompt))
+            lc = side.core.admit(f"r{len(side.lcs)}", prompt, pages=pages)
+            side.lcs.append(lc)
+            side.given[lc.id] = list(pages or [])
+    for batch in ([0, 1, 2], [0, 1, 2], [0, 2], [0, 2], [0, 2], [2, 0, 1], [1], [0, 1, 2], [0, 1, 2]):
+        _step(a, b, [(i, 7 + i) for i in batch], engine, batched=True)
+        assert a.core.rows is not None and a.core.rows.attached == len(batch)
+    for lc_a in a.lcs:
+        assert lc_a.committed == b.lcs[lc_a.id - 1].committed
+
+
+def test_a_prompt_without_a_whole_page_keeps_the_fast_path_and_a_row() -> None:
+    """offload_prompt with a prompt shorter than a page: nothing is sent at admit and the
+    first chunk is due a stride later - not at once, which turned the per-request fast
+    path off (and kept the lifecycle out of extend_batch's rows) until its first chunk."""
+    config = kvo.OffloadConfig(
+        page_size=4,
+        stride=8,
+        device_pages=PAGES,
+        host_pages=16,
+        kv_shape=(1,),
+        dtype="float32",
+        offload_prompt=True,
+    )
+    side = Side(config, False, rows_min=1)
+    lcs = [side.core.admit(f"r{i}", [1, 2, 3][: i + 1]) for i in range(3)]
+    assert [lc.due for lc in lcs] == [8, 8, 8] and all(lc._quiet == 7 for lc in lcs)
+    side.core.extend_batch(lcs, [5, 6, 7])
+    assert side.core.rows is not None and side.core.rows.attached == 3
+    for _ in range(6):
+        side.core.extend_batch(lcs, [5, 6, 7])
+    assert [lc.committed for lc in lcs] == [8, 9, 10]  # each passed 8 tokens: its first chunk
+    assert [(j.lifecycle, j.first_token, j.n_tokens) for j in side.jobs] == [(lc, 0, 8) for lc in lcs[::-1]]

@@ -176,12 +176,19 @@ def _check_rows(rows: DecodeRows, expect: Callable[[bool, Callable[[], str]], No
             lambda: f"{lc!r}: its row does not take its pages at steps {phase} mod {rows.page_size}",
         )
         expect(
-            EXTEND_SELF_LOOP[lc._s] and lc._deferred_since is None and not rows.core.observed,
+            EXTEND_SELF_LOOP[lc._s] and not rows.core.observed,
             lambda: f"{lc!r} holds a row but extend is not its plain step",
         )
+        expect(
+            lc._deferred_since is None or other == rows.step + 1,
+            lambda: f"{lc!r} is deferred but its row is not visited at the next step",
+        )
+        expect(k == 0 or lc._deferred_since is None, lambda: f"{lc!r} is deferred with {k} tokens held")
         expect(lc._quiet == -1, lambda: f"{lc!r} holds a row but its fast path is open")
         expect(lc._core is rows.core, lambda: f"{lc!r} holds a row of another core")
     expect(n == rows.attached, lambda: f"{rows.attached} rows counted, {n} held")
+    seated = {r for r, lc in enumerate(rows.row_lc) if lc is not None}
+    expect(rows.seated == seated, lambda: f"rows {sorted(rows.seated)} listed as held, {sorted(seated)} held")
     entries = sum(map(len, rows.visits.values()))
     expect(entries == n, lambda: f"{entries} visits listed for {n} rows")
     paging = sum(map(len, rows.paging))

@@ -52,8 +52,12 @@ _RELEASED = LifecycleState.RELEASED.value
 _U32 = 1 << 32
 _TOKEN_LIMIT = 1 << 63
 #: extend_batch keeps array state (DecodeRows) for batches of at least this many
-#: lifecycles; below it a plain loop costs less than the arrays' fixed cost.
-ROWS_MIN = 32
+#: lifecycles; below it a plain loop costs less than the arrays' fixed cost (they break
+#: even near 32: benchmarks/bench_bookkeeping.py prints the crossover).
+ROWS_MIN = 48
+#: Where submit goes from each state with a copy in flight and nothing deferred (the
+#: batched submit's one lookup; -1 where submit is illegal).
+_SUBMIT_DEST = tuple(row[_SUBMIT][2] for row in TABLE)
 #: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
@@ -227,9 +231,10 @@ class OffloadCore:
             lc._chain = page_run_digests(seed, tokens[:stored], ps)[-1]
         lc.submitted = stored
         lc._tail = tokens[stored:]
-        # offload_prompt: the prompt's unstored whole pages are the first chunk; else a
-        # chunk is due a stride past what is stored (at once for a resumed request).
-        lc.due = aligned if cfg.offload_prompt else stored + cfg.stride
+        # offload_prompt: the prompt's unstored whole pages are the first chunk; else (or
+        # when there are none) a chunk is due a stride past what is stored (at once for a
+        # resumed request).
+        lc.due = aligned if cfg.offload_prompt and aligned > stored else stored + cfg.stride
         self._requiet(lc)
         self._next_id += 1
         self.live[lc.id] = lc
@@ -295,6 +300,37 @@ class OffloadCore:
         if lc._row >= 0:  # its extend_batch row gives it back: this step is not the batch's
             cast("DecodeRows", self.rows).detach(lc)
         self._extend_valid(lc, toks, pages, ready)
+
+    def extend_due(self, lc: Lifecycle, t: int) -> bool:
+        """The decode step whose one token makes a chunk due, from the lifecycle's fast
+        path (``lc._quiet >= 0``: extend is a self-loop of its state, its tail narrow, no
+        one observes events; no ``pages`` or ``ready``): exactly what :meth:`extend` does
+        for ``[t]``, without its general checks. Returns False, having changed nothing,
+        when ``t`` is no narrow id or its page cannot be had (:meth:`extend` then raises
+        the precise error); raises what the mover raises, with nothing changed."""
+        tail = lc._tail
+        try:
+            tail.append(t)  # OverflowError for an id < 0 or >= 2**32: not appended
+        except OverflowError:
+            return False
+        committed = lc._committed + 1
+        grew = committed > lc._cap
+        if grew and not lc._grow(committed):
+            tail.pop()
+            return False
+        lc._committed = committed
+        if lc._deferred_since is None:  # due: committed == lc.due
+            pending = committed - lc.submitted
+            try:
+                self._submit(lc, pending - pending % self.config.stride)
+            except BaseException:  # the mover refused: extend is all or nothing
+                tail.pop()
+                lc._committed = committed - 1
+                if grew:
+                    self.device_pool.free([lc.device_pages.pop()])
+                    lc._cap -= self.config.page_size
+                raise
+        return True
 
     def _extend_valid(self, lc: Lifecycle, toks: array[int], pages: Any, ready: Any) -> None:
         """:meth:`extend` once the event is legal and the tokens are a checked array."""
@@ -717,18 +753,26 @@ class OffloadCore:
         cfg = self.config
         ps = cfg.page_size
         stride = cfg.stride
+        if type(self)._submit is not OffloadCore._submit:  # a subclass's hook sees every chunk
+            for lc in run:
+                pending = lc._committed - lc.submitted
+                self._submit(lc, pending - pending % stride, ready)
+                progress[0] += 1
+            return
         most = cfg.host_pages * ps
         take = self.host_pool.try_allocate
         plan: list[tuple[Lifecycle, int, int, list[int] | None]] = []
         for lc in run:  # host pages in order: each as its own submit would find the pool
             pending = lc._committed - lc.submitted
             want = pending - pending % stride
-            n = min(want, most)
+            n = want if want < most else most
             plan.append((lc, want, n, take(n // ps)))
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plan]
         streams = self.streams
         accept = self.accept
         inflight = self.inflight
+        counts = self.state_counts
+        hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
         chunks = pages = 0
         try:
             for j, (lc, want, n, host) in enumerate(plan):
@@ -769,7 +813,16 @@ class OffloadCore:
                 self.next_seq += 1
                 chunks += 1
                 pages += npages
-                self._fire(lc, _SUBMIT, now)
+                if hooked:
+                    self._fire(lc, _SUBMIT, now)
+                else:  # TABLE's submit step from PENDING or OFFLOADING, copies in flight
+                    s = lc._s
+                    dest = _SUBMIT_DEST[s]
+                    if dest != s:
+                        counts[s] -= 1
+                        counts[dest] += 1
+                        lc._s = dest
+                        lc.state_since = now
                 progress[0] += 1
         finally:
             c = self.counters
@@ -866,6 +919,8 @@ class OffloadCore:
                 break  # FIFO: later ones wait behind this one
             q.popleft()
             lc._deferred_since = None
+            if lc._row >= 0:  # visited every step while deferred: nothing held (made sure)
+                cast("DecodeRows", self.rows).sync(lc)
             if final:
                 self._flush(lc)  # may defer the rest again: it rejoins the queue
             else:

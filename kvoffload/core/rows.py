@@ -10,8 +10,9 @@ can read stays exact meanwhile: ``lc.committed`` adds the row's pending tokens, 
 pages, chunks, keys, state and counters are applied at the step that makes them due.
 
 A lifecycle holds a row only while every one of its steps is that plain step:
-extend is a self-loop of its state, its tail is narrow, nothing is deferred and no one
-observes events (they would be emitted per step). Anything else - an extend outside
+extend is a self-loop of its state, its tail is narrow and no one observes events
+(they would be emitted per step). A row whose chunk waits for host pages is visited
+every step, so its tail is current when the pages return. Anything else - an extend outside
 the batch, finish, abort, a state change, a deferral, a batch of another shape -
 first gives the row back (``detach``: its tokens written to its tail), and the
 lifecycle takes the ordinary paths. Pure: numpy arrays and Python objects, no I/O.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -102,7 +103,10 @@ class DecodeRows:
         # Invariant: the attached lifecycles are exactly those of batch
         self.batch: list[Lifecycle] | None = None
         self.rows = np.zeros(0, dtype=np.intp)
-        self.at: list[int] = []
+        self.at = np.zeros(0, dtype=np.intp)
+        # seated: the rows held (a set, for the batch that changes every few steps).
+        # Invariant: seated == {r for r, lc in enumerate(row_lc) if lc is not None}
+        self.seated: set[int] = set()
         self.ident = True
         self.attached = 0
 
@@ -177,9 +181,18 @@ class DecodeRows:
         if not listed:
             return True
         visited = [cast("Lifecycle", row_lc[r]) for r in listed]
-        for lc in visited:
-            self.sync(lc)
-        due = [lc for lc in visited if lc._committed >= lc.due]  # a row's lifecycle is never deferred
+        log, w = self.log, self.width
+        due = []
+        for lc in visited:  # sync (inline): the row's tokens to its tail
+            f = lc._from
+            k = s1 - f
+            if k:
+                a = f % w
+                lc._tail.frombytes(log[lc._row, a : a + k].tobytes())
+                lc._committed += k
+                lc._from = s1
+            if lc._committed >= lc.due and lc._deferred_since is None:
+                due.append(lc)
         if due:
             progress = [0]
             try:
@@ -187,21 +200,26 @@ class DecodeRows:
             except BaseException:
                 self._undo_step(lcs, at[due[progress[0]]._row], paged, new_pages)
                 raise
-        w = self.width
         visits = self.visits
         for lc in visited:
             r = lc._row
             if r < 0:
                 continue
-            other = s1 + min(max(lc.due - lc._committed, 1), w)  # synced: _from is s1
+            other = self._next_visit(lc, s1)
             other_at[r] = other
             if other in visits:
                 visits[other].append(r)
             else:
                 visits[other] = [r]
-            if lc._deferred_since is not None:  # its chunk waits for host pages: ordinary paths
-                self.detach(lc)
         return True
+
+    def _next_visit(self, lc: Lifecycle, s: int) -> int:
+        """The step after ``s`` (``lc`` synced at it) at which ``lc``'s row must be
+        visited: its chunk due, its log full, or - while its chunk waits for host pages
+        (deferred) - the next one, so that its tail is current whenever pages return."""
+        if lc._deferred_since is not None:
+            return s + 1
+        return s + min(max(lc.due - lc._committed, 1), self.width)
 
     def _take_pages(self, lcs: list[Lifecycle], page_pos: list[int], pages: Any) -> list[int] | None:
         """The new device page of the entry at each of ``page_pos`` (batch order), taken
@@ -269,35 +287,51 @@ class DecodeRows:
 
     def _seat(self, lcs: list[Lifecycle]) -> bool:
         """Make ``lcs`` the batch: rows for the new ones, the rows of those gone given
-        back. False (nothing changed) when one of them cannot take the plain step."""
+        back. False (nothing changed) when one of them cannot take the plain step.
+        Engines change their batch every few steps (requests finish and join): the
+        lifecycles that hold a row are recognised by identity in C-level loops, and
+        only the new and the gone ones are looked at one by one."""
         core = self.core
         if core.observed:
             return False
+        n = len(lcs)
+        row_lc = self.row_lc
         try:
             rows = list(map(_ROW, lcs))
-        except AttributeError:
-            return False  # not a lifecycle
-        for lc, r in zip(lcs, rows, strict=True):
-            if type(lc) is not Lifecycle or lc._core is not core:
+            # An entry holds its row when the row holds it (row_lc[r] is lc <=> lc._row == r).
+            fresh = (
+                list(compress(range(n), map(is_not, map(row_lc.__getitem__, rows), lcs)))
+                if row_lc
+                else [*range(n)]
+            )
+        except (AttributeError, IndexError, TypeError):
+            return False  # not a lifecycle (or not one of this core's)
+        for i in fresh:
+            lc = lcs[i]
+            if (
+                type(lc) is not Lifecycle
+                or lc._core is not core
+                or lc._row >= 0
+                or lc._quiet < 0
+                or not EXTEND_SELF_LOOP[lc._s]
+            ):
                 return False
-            if r < 0 and (lc._quiet < 0 or lc._deferred_since is not None or not EXTEND_SELF_LOOP[lc._s]):
-                return False
-        if len(set(map(id, lcs))) != len(lcs):
+        keep = set(rows)
+        if len(keep) != n - len(fresh) + (1 if fresh else 0) or (
+            len(fresh) > 1 and len(set(map(id, map(lcs.__getitem__, fresh)))) != len(fresh)
+        ):
             return False  # a lifecycle twice in one step: the ordinary paths, in order
-        if self.attached:
-            keep = set(rows)
-            for r, held in enumerate(self.row_lc):
-                if held is not None and r not in keep:
-                    self.detach(held)
-        for i, lc in enumerate(lcs):
-            if rows[i] < 0:
-                rows[i] = self._attach(lc)
-        at = self.at
-        for i, r in enumerate(rows):
-            at[r] = i
+        for r in self.seated - keep:
+            self.detach(cast("Lifecycle", row_lc[r]))
+        for i in fresh:
+            rows[i] = self._attach(lcs[i])
+        order = np.array(rows, dtype=np.intp)
+        if len(self.at) < len(row_lc):
+            self.at = np.zeros(len(row_lc), dtype=np.intp)
+        self.at[order] = np.arange(n)
         self.batch = list(lcs)
-        self.rows = np.array(rows, dtype=np.intp)
-        self.ident = rows == list(range(len(rows)))
+        self.rows = order
+        self.ident = bool(np.array_equal(order, np.arange(n)))
         return True
 
     def _attach(self, lc: Lifecycle) -> int:
@@ -305,13 +339,13 @@ class DecodeRows:
             self._grow_rows()
         r = self.free_rows.pop()
         self.row_lc[r] = lc
+        self.seated.add(r)
         lc._row = r
         lc._from = self.step
         lc._quiet = -1  # the per-request fast path would write past the row's tokens
         self.attached += 1
-        s = self.step
         self.paging[self.page_phase(lc)].append(r)
-        self.other_at[r] = other = s + min(max(lc.due - lc._committed, 1), self.width)
+        self.other_at[r] = other = self._next_visit(lc, self.step)
         self.visits.setdefault(other, []).append(r)
         return r
 
@@ -329,7 +363,6 @@ class DecodeRows:
         grow = new - old
         self.row_lc += [None] * grow
         self.other_at += [0] * grow
-        self.at += [0] * grow
         self.free_rows += range(new - 1, old - 1, -1)  # the lowest row first
 
     def sync(self, lc: Lifecycle) -> None:
@@ -356,6 +389,7 @@ class DecodeRows:
         self.sync(lc)
         r = lc._row
         self.row_lc[r] = None
+        self.seated.discard(r)
         self.free_rows.append(r)
         lc._row = -1
         self.attached -= 1

@@ -251,7 +251,10 @@ class Lifecycle:
             if len(tokens) == 1:  # one decode step of one token: the hottest path
                 t = tokens[0]
                 committed = self._committed + 1
-                if committed <= self._quiet and type(t) is int:
+                if committed > self._quiet:
+                    if committed == self._quiet + 1 and type(t) is int and self._core.extend_due(self, t):
+                        return  # this token made a chunk due: it went out
+                elif type(t) is int:
                     tail = self._tail
                     try:
                         tail.append(t)  # OverflowError for an id < 0 or >= 2**32: not appended
