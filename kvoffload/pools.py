@@ -100,23 +100,17 @@ class PagePool:
             raise PageError(f"cannot allocate {n} {self.kind} pages")
         if n > len(free):
             raise PoolExhausted(self.kind, n, len(free))
-        if n == 0:
-            return []
-        pages = free[-n:]
-        del free[-n:]
-        alloc = self._allocated
-        for p in pages:
-            alloc[p] = 1
-        return pages
+        return self._take(n) if n else []
 
     def try_allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` pages (``n`` > 0), or return ``None`` when fewer are free (nothing
-        taken). The submit path's allocation: one call."""
-        free = self._free
+        """Take ``n`` pages, or return ``None`` when fewer are free (nothing taken)."""
         if n <= 0:
             return self.allocate(n)  # [] for none, PageError below that
-        if n > len(free):
-            return None
+        return self._take(n) if n <= len(self._free) else None
+
+    def _take(self, n: int) -> list[int]:
+        """The last ``n`` free pages (0 < ``n`` <= free), marked allocated."""
+        free = self._free
         pages = free[-n:]
         del free[-n:]
         alloc = self._allocated

@@ -687,38 +687,15 @@ class OffloadCore:
         if host is None:
             self._host_full(lc, wanted)
             return False
-        first = lc.submitted // ps
         digests = page_run_digests(lc._chain, lc._tail[:n], ps)
-        if now is None:
-            now = self.clock()
-        stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
-        t = Transfer(
-            lc,
-            lc.device_pages[first : first + npages],
-            host,
-            None,
-            lc.submitted,
-            n,
-            now,
-            stream,
-            ready,
-            True,
-            digests,
-        )
-        t.seq = self.next_seq
+        t = self._transfer(lc, n, host, digests, ready, self.clock() if now is None else now)
         try:
             self.accept(t)
         except BaseException:
             self.host_pool.free(host)
             raise
-        del lc._tail[:n]
-        lc.submitted += n
-        lc._chain = digests[-1]
-        lc.due = lc.submitted + cfg.stride
+        self._accepted(t, digests)
         self._requiet(lc)
-        lc.inflight += 1
-        self.inflight[t.id] = t
-        self.next_seq += 1
         c = self.counters
         c.chunks_submitted += 1
         c.chunks_inflight += 1
@@ -735,8 +712,32 @@ class OffloadCore:
                 first_token=t.first_token,
                 stream=t.stream,
             )
-        self._fire(lc, _SUBMIT, now)
+        self._fire(lc, _SUBMIT, t.submitted_at)
         return True
+
+    def _transfer(
+        self, lc: Lifecycle, n: int, host: list[int], digests: list[bytes], ready: Any, now: float
+    ) -> Transfer:
+        """The copy job of ``lc``'s next ``n`` tokens into ``host`` (its pages' digests
+        computed): what the mover's ``accept`` is offered."""
+        first = lc.submitted // self.config.page_size
+        device = lc.device_pages[first : first + len(host)]
+        stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
+        t = Transfer(lc, device, host, None, lc.submitted, n, now, stream, ready, True, digests)
+        t.seq = self.next_seq
+        return t
+
+    def _accepted(self, t: Transfer, digests: list[bytes]) -> None:
+        """The mover accepted ``t``: its tokens leave the tail, the chain moves on to its
+        last page, the next chunk is due a stride on, and it is in flight."""
+        lc = t.lifecycle
+        del lc._tail[: t.n_tokens]
+        lc.submitted += t.n_tokens
+        lc._chain = digests[-1]
+        lc.due = lc.submitted + self.config.stride
+        lc.inflight += 1
+        self.inflight[t.id] = t
+        self.next_seq += 1
 
     def _submit_rows(self, run: list[Lifecycle], ready: Any, now: float, progress: list[int]) -> None:
         """The due chunks of one batched decode step: exactly ``_submit(lc, the due
@@ -766,37 +767,23 @@ class OffloadCore:
             pending = lc._committed - lc.submitted
             want = pending - pending % stride
             n = want if want < most else most
-            plan.append((lc, want, n, take(n // ps)))
+            plan.append((lc, want, n, take(n // ps) if n > 0 else None))
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plan]
-        streams = self.streams
         accept = self.accept
-        inflight = self.inflight
         counts = self.state_counts
         hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
         chunks = pages = 0
         try:
             for j, (lc, want, n, host) in enumerate(plan):
+                if n <= 0:  # less than a stride since a dropped prompt chunk: as _submit, nothing
+                    progress[0] += 1
+                    continue
                 if host is None:
                     self._host_full(lc, want // ps)
                     progress[0] += 1
                     continue
-                digests = chains[j]
-                first = lc.submitted // ps
-                npages = n // ps
-                t = Transfer(
-                    lc,
-                    lc.device_pages[first : first + npages],
-                    host,
-                    None,
-                    lc.submitted,
-                    n,
-                    now,
-                    lc.id % streams,
-                    ready,
-                    True,
-                    digests,
-                )
-                t.seq = self.next_seq
+                digests = cast("list[bytes]", chains[j])
+                t = self._transfer(lc, n, host, digests, ready, now)
                 try:
                     accept(t)
                 except BaseException:
@@ -804,15 +791,9 @@ class OffloadCore:
                         if h is not None:
                             self.host_pool.free(h)
                     raise
-                del lc._tail[:n]
-                lc.submitted += n
-                lc._chain = digests[-1]  # type: ignore[index]
-                lc.due = lc.submitted + stride
-                lc.inflight += 1
-                inflight[t.id] = t
-                self.next_seq += 1
+                self._accepted(t, digests)
                 chunks += 1
-                pages += npages
+                pages += len(host)
                 if hooked:
                     self._fire(lc, _SUBMIT, now)
                 else:  # TABLE's submit step from PENDING or OFFLOADING, copies in flight
