@@ -12,9 +12,9 @@ pages, chunks, keys, state and counters are applied at the step that makes them 
 A lifecycle holds a row only while every one of its steps is that plain step:
 extend is a self-loop of its state, its tail is narrow and no one observes events
 (they would be emitted per step). A row whose chunk waits for host pages is visited
-every step, so its tail is current when the pages return. Anything else - an extend outside
-the batch, finish, abort, a state change, a deferral, a batch of another shape -
-first gives the row back (``detach``: its tokens written to its tail), and the
+every step, so its tail is current when the pages return. Anything else - an extend
+outside the batch, finish, abort, a state change, leaving the batch, a step of another
+shape - first gives the row back (``detach``: its tokens written to its tail), and the
 lifecycle takes the ordinary paths. Pure: numpy arrays and Python objects, no I/O.
 """
 
