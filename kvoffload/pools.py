@@ -108,6 +108,15 @@ class PagePool:
             return self.allocate(n)  # [] for none, PageError below that
         return self._take(n) if n <= len(self._free) else None
 
+    def take_one(self) -> int:
+        """One page, or -1 when none is free (the hot path's allocation: no list)."""
+        free = self._free
+        if not free:
+            return -1
+        page = free.pop()
+        self._allocated[page] = 1
+        return page
+
     def _take(self, n: int) -> list[int]:
         """The last ``n`` free pages (0 < ``n`` <= free), marked allocated."""
         free = self._free

@@ -34,3 +34,15 @@ def test_a_bad_free_raises_page_error_and_returns_nothing(bad: list[int]) -> Non
     pool.check()
     pool.free(held)
     assert pool.used == 0
+
+
+def test_take_one_hands_out_what_allocate_would_and_minus_one_when_empty() -> None:
+    """The one-token step's allocation: the same page allocate(1) would give, marked
+    allocated (a double free still raises), and -1 with nothing changed when empty."""
+    a, b = DevicePool.create(3, 2, (1,), "float32"), DevicePool.create(3, 2, (1,), "float32")
+    assert [a.take_one() for _ in range(3)] == [b.allocate(1)[0] for _ in range(3)]
+    assert a.take_one() == -1 and a.free_pages == 0
+    a.free([1])
+    with pytest.raises(kvo.PageError):
+        a.free([1])
+    a.check()

@@ -315,7 +315,7 @@ class OffloadCore:
             return False
         committed = lc._committed + 1
         grew = committed > lc._cap
-        if grew and not lc._grow(committed):
+        if grew and not self.grow_one(lc):
             tail.pop()
             return False
         lc._committed = committed
@@ -588,6 +588,19 @@ class OffloadCore:
             and lc._row < 0  # a row's tokens are not in the tail yet: no fast path
         )
         lc._quiet = lc.due - 1 if quiet else -1
+
+    def grow_one(self, lc: Lifecycle) -> bool:
+        """Owned mode, a one-token step's new page (its committed passes its pages by
+        one token): taken and appended, or False with nothing changed when the pool is
+        empty or the engine owns the pages (the full path then raises or asks)."""
+        if self.config.device_pages is None:
+            return False
+        page = cast("DevicePool", self.device_pool).take_one()
+        if page < 0:
+            return False
+        lc.device_pages.append(page)
+        lc._cap += self.config.page_size
+        return True
 
     def grow(self, lc: Lifecycle, committed: int) -> bool:
         """Owned mode, the quiet step's page allocation (called by the lifecycle's fast

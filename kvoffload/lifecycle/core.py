@@ -261,7 +261,7 @@ class Lifecycle:
                     except OverflowError:
                         pass  # the full path raises the typed error
                     else:
-                        if committed <= self._cap or self._grow(committed):
+                        if committed <= self._cap or self._core.grow_one(self):
                             self._committed = committed
                             return
                         tail.pop()  # no page here: the full path asks for it (or raises)
@@ -285,13 +285,6 @@ class Lifecycle:
                     self._committed = committed
                     return
         self._core.extend(self, tokens, pages=pages, ready=ready)
-
-    def _grow(self, committed: int) -> bool:
-        """The fast path's new page (owned mode), or False: the full path takes it."""
-        try:
-            return self._core.grow(self, committed)
-        except KVOffloadError:  # the device pool is full: the full path raises
-            return False
 
     def finish(self) -> None:
         """The request finished decoding: flush the page-aligned remainder (F12), then
