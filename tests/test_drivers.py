@@ -252,6 +252,7 @@ async def test_f24_asyncio_calls_from_a_foreign_thread_raise_and_change_nothing(
         calls = [
             lambda: mgr.admit("x", prompt=[1]),
             lambda: lc.extend([1]),
+            lambda: mgr.extend_batch([lc], [1]),
             lc.finish,
             lc.abort,
             mgr.statistics,
@@ -285,6 +286,7 @@ def test_f24_sync_calls_from_a_foreign_thread_raise_and_change_nothing() -> None
             mgr.ready,
             mgr.quiesce,
             lambda: lc.extend([1]),
+            lambda: mgr.extend_batch([lc], [1]),
             lc.finish,
             lc.abort,
             mgr.close,
@@ -297,6 +299,63 @@ def test_f24_sync_calls_from_a_foreign_thread_raise_and_change_nothing() -> None
         lc.finish()
         mgr.quiesce(5)
         assert lc.released
+
+
+def _steps_on_real_copies(driver: str, n: int, batched: bool) -> tuple[Any, ...]:
+    """30 decode steps of ``n`` lifecycles on the cpu backend, through extend_batch or
+    per-request extends, a listener attached for steps 10-19; then finish and release.
+    Returns what was seen after each step, the events the steps emitted (deliveries
+    depend on the copy threads' timing) and the end counters."""
+    pages = 12 * n  # host pages as many as device pages: no drop, whatever the copies' timing
+    config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=pages, host_pages=pages, drain_timeout_s=5)
+    host = host_for(driver, config, CpuBackend())
+    mgr = host.mgr
+    seen: list[tuple[Any, ...]] = []
+    events: list[tuple[Any, ...]] = []
+    lcs = host.call(lambda: [mgr.admit(f"r{i}", toks(i, i + 1 + i % 9)) for i in range(n)])
+    remove: Any = None
+
+    def listen(name: str, fields: dict[str, Any]) -> None:  # what the steps emit (not deliveries)
+        if name == "transfer.submitted" or fields.get("trigger") in ("extend", "submit"):
+            events.append((name, fields["rid"], fields.get("trigger")))
+
+    def step(ids: list[int]) -> None:
+        if batched:
+            mgr.extend_batch(lcs, ids)
+        else:
+            for lc, t in zip(lcs, ids, strict=True):
+                lc.extend([t])
+
+    for s in range(30):
+        if s == 10:
+            remove = host.call(lambda: mgr.add_listener(listen))
+        if s == 20:
+            host.call(remove)
+        host.call(lambda s=s: step([1000 * s + i for i in range(n)]))
+        seen.append(host.call(lambda: tuple((lc.committed, lc.submitted, lc.chain_key) for lc in lcs)))
+    rows = host.call(lambda: mgr.core.rows.attached if mgr.core.rows else 0)
+    host.call(lambda: [lc.finish() for lc in lcs])
+    settle_until(host, lambda: all(lc.released for lc in lcs))
+    stats = host.call(mgr.statistics)
+    host.close()
+    return seen, sorted(events), rows, stats.pages_copied, stats.chunks_submitted, stats.device_pages_used
+
+
+@pytest.mark.parametrize("driver", ["asyncio", "sync"])
+def test_a_large_batch_on_real_copies_ends_as_the_per_request_calls_do(driver: str) -> None:
+    """extend_batch's array state (from ROWS_MIN lifecycles) under each driver, copies on
+    the cpu backend's threads, a listener attached for steps 10-19 (the rows are given
+    back while events are emitted per step): the same chunks, keys, pages and events as
+    per-request extends, everything released."""
+    from kvoffload.core.offload import ROWS_MIN
+
+    n = ROWS_MIN + 8
+    seen, events, rows, copied, chunks, used = _steps_on_real_copies(driver, n, batched=True)
+    assert rows == n  # the array path was taken (again, once the listener was gone)
+    assert events and used == 0
+    p_seen, p_events, p_rows, p_copied, p_chunks, _ = _steps_on_real_copies(driver, n, batched=False)
+    assert p_rows == 0
+    assert (seen, events, copied, chunks) == (p_seen, p_events, p_copied, p_chunks)
 
 
 # --- closing --------------------------------------------------------------------------
