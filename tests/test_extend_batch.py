@@ -131,34 +131,33 @@ step = st.one_of(
 )
 
 
+#: The configuration of the schedules this test found (pinned below).
+_FOUND: dict[str, Any] = dict(
+    page_size=1,
+    stride_pages=3,
+    host_pages=3,
+    offload_prompt=True,
+    wait=True,
+    engine=False,
+    rows=True,
+    width=1,
+)
+
+
 @settings(max_examples=300, deadline=None)
 # Found by this test: a deferred prompt chunk dropped at the pump leaves a lifecycle due
 # with less than a stride pending; the batch must offer nothing, as extend does.
 @example(
-    page_size=1,
-    stride_pages=3,
-    host_pages=3,
-    offload_prompt=True,
-    wait=True,
-    engine=False,
+    **_FOUND,
     prompts=[[]],
     steps=[("admit", [0, 0, 0]), ("admit", [0]), ("complete", 0), ("run", (1, 0))],
     refuse=frozenset(),
-    rows=True,
-    width=1,
 )
 @example(
-    page_size=1,
-    stride_pages=3,
-    host_pages=3,
-    offload_prompt=True,
-    wait=True,
-    engine=False,
+    **_FOUND,
     prompts=[[], [], [0, 0, 0], [0]],
     steps=[("admit", [0, 0, 0]), ("complete", 0), ("batch", [(3, 0)])],
     refuse=frozenset([2]),
-    rows=True,
-    width=1,
 )
 @given(
     page_size=st.integers(1, 4),
