@@ -314,8 +314,8 @@ class OffloadCore:
         except OverflowError:
             return False
         committed = lc._committed + 1
-        grew = committed > lc._cap
-        if grew and not self.grow_one(lc):
+        held = len(lc.device_pages)
+        if committed > lc._cap and not self.grow_one(lc):
             tail.pop()
             return False
         lc._committed = committed
@@ -324,13 +324,19 @@ class OffloadCore:
             try:
                 self._submit(lc, pending - pending % self.config.stride)
             except BaseException:  # the mover refused: extend is all or nothing
-                tail.pop()
-                lc._committed = committed - 1
-                if grew:
-                    self.device_pool.free([lc.device_pages.pop()])
-                    lc._cap -= self.config.page_size
+                self._unextend(lc, 1, held)
                 raise
         return True
+
+    def _unextend(self, lc: Lifecycle, n: int, held: int) -> None:
+        """Undo an extend of ``n`` tokens that found ``held`` device pages: the tokens
+        leave the tail and the pages it added go back."""
+        del lc._tail[len(lc._tail) - n :]
+        lc._committed -= n
+        if len(lc.device_pages) > held:
+            self.device_pool.free(lc.device_pages[held:])
+            del lc.device_pages[held:]
+            lc._cap = held * self.config.page_size
 
     def _extend_valid(self, lc: Lifecycle, toks: array[int], pages: Any, ready: Any) -> None:
         """:meth:`extend` once the event is legal and the tokens are a checked array."""
@@ -358,12 +364,7 @@ class OffloadCore:
             try:
                 self._submit(lc, pending - pending % self.config.stride, ready)
             except BaseException:  # the mover refused: extend is all or nothing
-                del lc._tail[len(lc._tail) - n :]
-                lc._committed = committed - n
-                if len(lc.device_pages) > held:
-                    self.device_pool.free(lc.device_pages[held:])
-                    del lc.device_pages[held:]
-                    lc._cap = held * ps
+                self._unextend(lc, n, held)
                 raise
 
     def extend_batch(
@@ -419,35 +420,6 @@ class OffloadCore:
         # due lifecycle's _quiet is -1 until then: a second entry for it in the batch
         # leaves the pass (the checked path handles it, in order).
         due: list[tuple[int, Lifecycle]] = []
-        if not engine and pages is None:  # owned mode: the tightest loop
-            try:
-                for lc, t in zip(lifecycles, tokens, strict=True):  # lengths checked
-                    if type(t) is not int or lc._core is not self:
-                        break
-                    c = lc._committed + 1
-                    if c > lc._quiet:
-                        if lc._quiet < 0:
-                            break
-                        lc._quiet = -1
-                        due.append((done, lc))
-                    if c > lc._cap:
-                        self.grow(lc, c)
-                        paged.append(lc)
-                    lc._tail.append(t)  # OverflowError for an id < 0 or >= 2**32: nothing appended
-                    lc._committed = c
-                    done += 1
-            except (OverflowError, KVOffloadError):
-                if paged and done < len(lifecycles) and paged[-1] is lifecycles[done]:
-                    lc = paged.pop()  # the entry that failed took its page first
-                    self.device_pool.free([lc.device_pages.pop()])
-                    lc._cap -= ps
-                if due and due[-1][0] == done:  # the entry that failed was made due first
-                    self._requiet(due.pop()[1])
-            else:
-                if done == len(lifecycles):
-                    return self._submit_due(lifecycles, due, paged)
-            self._undo_quiet(lifecycles, done, paged, due)
-            return False
         try:
             for i, lc in enumerate(lifecycles):
                 t = tokens[i]
@@ -460,21 +432,22 @@ class OffloadCore:
                     lc._quiet = -1
                     due.append((i, lc))
                 if c > lc._cap:
-                    if engine:
-                        if pages is None or pages[i] is None:
-                            break
+                    if not engine:
+                        if (pages is not None and pages[i]) or not self.grow_one(lc):
+                            break  # pages= in owned mode, or an empty pool: the checked path raises
+                    elif pages is None or pages[i] is None:
+                        break
+                    else:
                         lc.device_pages += cast("EnginePages", self.device_pool).claim(pages[i], 1)
                         lc._cap += ps
-                    else:
-                        self.grow(lc, c)
                     paged.append(lc)
-                elif engine and pages is not None and pages[i]:
+                elif pages is not None and pages[i]:
                     break  # pages given where none is needed: the checked path says so
                 lc._tail.append(t)
                 lc._committed = c
                 done += 1
         except KVOffloadError:
-            pass  # a page could not be had: undo, and let the checked path raise
+            pass  # an engine page id was refused: undo, and let the checked path raise
         else:
             if done == len(lifecycles):
                 return self._submit_due(lifecycles, due, paged)

@@ -128,7 +128,7 @@ class DecodeRows:
         listed = self.visits.pop(s1, None)
         if paged or listed:
             return self._visit(lcs, paged, listed or [], col, pages, ready)
-        if pages is not None and any(pages):
+        if self.engine and pages is not None and any(pages):  # (owned mode: checked above)
             self.detach_all()  # pages where none is needed: the checked path says so
             return False
         self._write(col, len(lcs))
