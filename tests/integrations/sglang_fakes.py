@@ -299,6 +299,15 @@ class Engine:
         itself and puts it back in the waiting queue (its outputs kept)."""
         assert self.mgr is not None
         self.mgr.drain_before_retraction()
+        self._take_back(req)
+
+    def preempt(self, req: Req) -> None:
+        """SGLang's priority preemption (at batch selection, to make room for a request of
+        higher priority): the request's row and pages are freed and it goes back to the
+        waiting queue, as in a retraction - but without draining first (F32)."""
+        self._take_back(req)
+
+    def _take_back(self, req: Req) -> None:
         self.running.remove(req)
         kv = req.kv
         self.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
