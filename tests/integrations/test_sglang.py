@@ -551,6 +551,26 @@ def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_ca
     check_nothing_left_and_close(engine, mgr)
 
 
+def test_f31_two_tp_ranks_whose_collectors_run_at_other_moments_stay_in_step(tmp_path: Any) -> None:
+    """F31 on two gloo ranks: a request dropped mid-decode in a reference cycle is
+    collected on rank 0 at once and on rank 1 never. Both ranks see the same
+    lifecycles, aborts, discarded copies and pages after every iteration, release the
+    same requests in the same iterations, and no collective raises RanksDiverged."""
+    from sglang_fakes import tp_rank_run
+
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=120.0) as ranks:
+        r0, r1 = ranks.run(tp_rank_run, 11, str(tmp_path), False, True)
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert sorted(r0["released"]) == sorted(r for r, *_ in r0["reqs"])
+    aborted = [c[2] for c in r0["counts"]]  # released ABORTED: only the dropped request is
+    assert aborted[11] == 0 and aborted[12] == 1, f"the dropped request ends when its row goes: {aborted}"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0 and r["engine_pages_held"] == 0
+
+
 # --- where kvoffload differs on purpose ------------------------------------------------
 
 
