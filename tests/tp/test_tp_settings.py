@@ -81,3 +81,24 @@ def test_under_shared_keys_only_the_rank_that_copies_holds_host_memory(
     assert [r["nbytes"] for r in shared] == [full, 0]
     assert [r["nbytes"] for r in per_rank] == [full, full]
     assert [r["pages"] for r in shared + per_rank] == [16] * 4
+
+
+def test_the_shared_settings_are_config_fields_and_the_digest_has_a_fixed_size() -> None:
+    """Every name ranks compare is an OffloadConfig field (a rename cannot silently drop
+    one from the check); the digest of any config fits the fixed-size exchange, and two
+    configs differing in one shared field differ in exactly that slot."""
+    import dataclasses
+
+    import kvoffload as kvo
+    from kvoffload.drivers.distributed import _DIGEST_SLOTS, SHARED_SETTINGS, settings_digest
+
+    fields = {f.name for f in dataclasses.fields(kvo.OffloadConfig)}
+    assert set(SHARED_SETTINGS) <= fields
+    base = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8)
+    other = dataclasses.replace(base, namespace="tenant-b")
+    a, b = settings_digest(base), settings_digest(other)
+    assert len(a) <= _DIGEST_SLOTS
+    assert [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y] == [
+        1 + SHARED_SETTINGS.index("namespace")
+    ]
+    assert settings_digest(dataclasses.replace(base, drain_timeout_s=1.0)) == a  # a rank's own
