@@ -102,3 +102,12 @@ def test_the_shared_settings_are_config_fields_and_the_digest_has_a_fixed_size()
         1 + SHARED_SETTINGS.index("namespace")
     ]
     assert settings_digest(dataclasses.replace(base, drain_timeout_s=1.0)) == a  # a rank's own
+
+
+def test_a_rank_killed_by_a_signal_is_reported_by_the_signal_name() -> None:
+    """gloo aborts a rank's process on a collective mismatch (SIGABRT, no Python error):
+    LocalRanks says so by name instead of a bare negative exit code."""
+    from kvoffload._testing.ranks import _exit_text
+
+    assert _exit_text(-6) == "killed by SIGABRT"
+    assert _exit_text(3) == "exit code 3"
