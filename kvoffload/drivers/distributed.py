@@ -264,8 +264,12 @@ def join_group(
     group: Any, config: OffloadConfig, clock: Callable[[], float], cls: type[RankAgreement] | None = None
 ) -> RankAgreement | None:
     """This rank's agreement with the others in ``group``, or ``None`` without a group.
-    Raises :class:`~kvoffload.ConfigError` for a bad group (:func:`check_group`), and
-    for no group when ``config.tp_size`` is above 1 (every rank would deliver alone)."""
+    A collective with a group of more than one rank: the ranks compare their
+    :data:`SHARED_SETTINGS` (:func:`agree_settings`). Raises
+    :class:`~kvoffload.ConfigError` for a bad group (:func:`check_group`), for settings
+    that differ across the ranks (on every rank, naming each field and every rank's
+    value), and for no group when ``config.tp_size`` is above 1 (every rank would
+    deliver alone)."""
     if not isinstance(config, OffloadConfig):
         raise KVOffloadError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if group is not None:
