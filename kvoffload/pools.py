@@ -168,6 +168,13 @@ class HostPool(PagePool):
     kind = "host"
     __slots__ = ("__weakref__",)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of memory the pool's pages occupy: ``n_pages`` pages, or 0 for a pool
+        that keeps the page accounting only (:meth:`new` with a ``meta`` buffer)."""
+        t = self.tensor
+        return 0 if t.is_meta else t.numel() * t.element_size()
+
     @classmethod
     def new(
         cls,
@@ -184,13 +191,20 @@ class HostPool(PagePool):
         engine's ``buffer`` when given (a contiguous CPU tensor of at least that many
         bytes, used as is), else new memory of exactly that size - pinned by registering
         it with CUDA when ``pin`` (``cudart``: ``torch.cuda.cudart()`` by default), and
-        zero-filled only when ``zero``."""
+        zero-filled only when ``zero``.
+
+        A ``buffer`` on torch's ``meta`` device asks for no memory at all: the pool
+        keeps its page accounting (which pages are handed out) and its pages can never
+        be read or written - for a tensor-parallel rank that copies nothing
+        (``tp_keys="shared"``, rank above 0), whose decisions must still be the others'."""
         import math
 
         import torch
 
         shape = (n_pages, *page_shape)
         tdtype = getattr(torch, dtype)
+        if buffer is not None and isinstance(buffer, torch.Tensor) and buffer.is_meta:
+            return cls(torch.empty(shape, dtype=tdtype, device="meta"))
         if buffer is not None:
             nbytes = math.prod(shape) * torch.empty((), dtype=tdtype).element_size()
             if (

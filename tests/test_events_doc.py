@@ -200,7 +200,8 @@ def _retract_mid_copy() -> None:
     engine.r2t.free(req)
     req.kv.kv_allocated_len = 0
     engine.prefill(req)
-    engine.iteration()  # offload_kv_cache sees the new row: the lifecycle is aborted
+    sim.complete_all()  # the copy ends, but is not delivered yet: still in flight to kvoffload
+    engine.iteration()  # check_offload_progress sees the new row: the lifecycle is aborted
     sim.complete_all()
     engine.running.clear()
     mgr.release_host_resources()

@@ -158,7 +158,7 @@ class LocalRanks:
                 status, value = conn.recv() if ready else ("error", f"no answer within {timeout}s")
             except (EOFError, OSError):
                 proc.join(1.0)
-                status, value = "error", f"rank {rank} died (exit code {proc.exitcode})"
+                status, value = "error", f"rank {rank} died ({_exit_text(proc.exitcode)})"
             if status == "ok":
                 out.append(RankOutcome(rank, True, value))
             else:
@@ -200,6 +200,17 @@ class LocalRanks:
             return
         self._stop()  # leaving on an error (a stop signal): the ranks may be mid-run
         self.close()
+
+
+def _exit_text(code: int | None) -> str:
+    """How a rank process ended: ``exit code 3``, or the signal that killed it (gloo
+    aborts a process on a collective mismatch: SIGABRT, no Python error)."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 def _describe(outcomes: list[RankOutcome]) -> str:

@@ -26,6 +26,14 @@ rank delivers exactly those, in ``seq`` order (at most the agreed limit of copie
 so every rank releases the same lifecycles in the same call, and none before every
 rank's copy of it has finished.
 
+Before any of it, when the managers are built, the ranks compare the settings that
+decide their transfers and the size of that vector (:data:`SHARED_SETTINGS`): one
+all-gather of a fixed-size digest, so ranks of other settings (another ``tp_window``:
+another buffer size, which gloo answers by aborting the process) get a
+:class:`~kvoffload.ConfigError` on every rank naming each field and every rank's value.
+A rank that copies nothing (``tp_keys="shared"``, rank above 0) keeps the host pool's
+page accounting but allocates none of its memory.
+
 Why this is enough: what the ranks agree on - the transfers in flight, the writes
 pending - is the same on every rank after each agreed step, so slot ``i`` names the
 same transfer everywhere (the header checks it). The oldest transfer in flight is
@@ -40,7 +48,9 @@ stay the same.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import itertools
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,7 +69,15 @@ if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
     from kvoffload.storage.writer import WriteResult
 
-__all__ = ["HEADER", "RankAgreement", "check_group", "join_group"]
+__all__ = [
+    "HEADER",
+    "SHARED_SETTINGS",
+    "RankAgreement",
+    "agree_settings",
+    "check_group",
+    "join_group",
+    "settings_digest",
+]
 
 # The kinds of collective call (the header's first field: ranks must be in the same one).
 POLL, QUIESCE, WAIT, CLOSE, LOOKUP, FETCH = 1, 2, 3, 4, 5, 6
@@ -144,12 +162,114 @@ def check_group(group: Any, config: OffloadConfig) -> tuple[int, int]:
     return rank, size
 
 
+#: The settings every rank's manager must share, and why: they decide which transfers
+#: the core makes, which host pages it takes, when a deferred chunk expires, and the
+#: keys pages are stored and read under - or (tp_window) the size of every collective,
+#: which gloo cannot survive differing. A rank's own sizes (kv_shape, dtype, the drain
+#: and TP timeouts) may differ.
+SHARED_SETTINGS = (
+    "page_size",
+    "stride",
+    "device_pages",
+    "host_pages",
+    "offload_prompt",
+    "on_host_full",
+    "host_wait_s",
+    "stuck_after_s",
+    "watchdog_interval_s",
+    "namespace",
+    "tp_keys",
+    "tp_window",
+)
+#: int64 slots of the settings digest: fixed, whatever the settings, so that ranks of
+#: other kvoffload versions still exchange buffers of one size (slot 0: the protocol).
+_DIGEST_SLOTS = 32
+#: Bytes per rank of the second exchange (only when settings differ): their values.
+_VALUES_BYTES = 4096
+
+
+def _digest(value: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:8], "little", signed=True)
+
+
+def settings_digest(config: OffloadConfig) -> list[int]:
+    """What ranks compare at construction: the protocol (the header's size and the
+    settings' names), then a digest of each of :data:`SHARED_SETTINGS`."""
+    head = _digest((HEADER, SHARED_SETTINGS))
+    return [head, *(_digest(getattr(config, name)) for name in SHARED_SETTINGS)]
+
+
+def agree_settings(group: Any, config: OffloadConfig, rank: int, size: int) -> None:
+    """Compare this rank's :data:`SHARED_SETTINGS` with every other rank's (one
+    all-gather of a fixed-size digest, so it is safe whatever they are), before any
+    collective whose size or meaning depends on them. Raises
+    :class:`~kvoffload.ConfigError` on every rank, naming each field that differs and
+    every rank's value (a second fixed-size all-gather, only then); a peer that never
+    builds its manager: :class:`~kvoffload.RankTimeout` after ``tp_timeout_s``."""
+    import torch
+
+    mine = settings_digest(config)
+    assert len(mine) <= _DIGEST_SLOTS
+    buf = torch.zeros(_DIGEST_SLOTS, dtype=torch.int64)
+    buf[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    rows = [r.tolist() for r in _all_gather(group, buf, size, config, rank)]
+    if all(r == rows[0] for r in rows):
+        return
+    if any(r[0] != rows[0][0] for r in rows):  # another protocol: its values mean other things
+        raise ConfigError(
+            f"rank {rank} of {size}: the ranks run different kvoffload versions (their agreement "
+            "protocols differ); install one version on every rank"
+        )
+    differ = [i for i, name in enumerate(SHARED_SETTINGS, 1) if len({r[i] for r in rows}) > 1]
+    values = {SHARED_SETTINGS[i - 1]: repr(getattr(config, SHARED_SETTINGS[i - 1]))[:200] for i in differ}
+    raw = json.dumps(values).encode()[:_VALUES_BYTES]
+    vbuf = torch.zeros(_VALUES_BYTES, dtype=torch.uint8)
+    vbuf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    theirs = []
+    for r in _all_gather(group, vbuf, size, config, rank):
+        data = bytes(r.tolist()).rstrip(b"\0")
+        try:
+            theirs.append(json.loads(data))
+        except ValueError:
+            theirs.append({})
+    parts = []
+    for i in differ:
+        name = SHARED_SETTINGS[i - 1]
+        each = ", ".join(f"rank {k}: {v.get(name, '?')}" for k, v in enumerate(theirs))
+        parts.append(f"{name} ({each})")
+    raise ConfigError(
+        f"rank {rank} of {size}: the ranks' OffloadConfig differ in {'; '.join(parts)}: every rank "
+        "must build its manager with the same settings (they decide which copies each rank makes, "
+        "and the size of every collective); nothing was started"
+    )
+
+
+def _all_gather(group: Any, buf: Any, size: int, config: OffloadConfig, rank: int) -> list[Any]:
+    """Every rank's ``buf`` (each rank sends one of the same size), in rank order."""
+    import torch
+
+    out = [torch.zeros_like(buf) for _ in range(size)]
+    try:
+        group.allgather(out, buf, timeout=datetime.timedelta(seconds=config.tp_timeout_s)).wait()
+    except Exception as exc:  # gloo: a timeout, or a peer's connection closed
+        raise RankTimeout(
+            f"rank {rank} of {size}: the other ranks did not build their managers within "
+            f"tp_timeout_s={config.tp_timeout_s}s ({type(exc).__name__}: {exc}); every rank must "
+            "build one, with the same settings"
+        ) from exc
+    return out
+
+
 def join_group(
     group: Any, config: OffloadConfig, clock: Callable[[], float], cls: type[RankAgreement] | None = None
 ) -> RankAgreement | None:
     """This rank's agreement with the others in ``group``, or ``None`` without a group.
-    Raises :class:`~kvoffload.ConfigError` for a bad group (:func:`check_group`), and
-    for no group when ``config.tp_size`` is above 1 (every rank would deliver alone)."""
+    A collective with a group of more than one rank: the ranks compare their
+    :data:`SHARED_SETTINGS` (:func:`agree_settings`). Raises
+    :class:`~kvoffload.ConfigError` for a bad group (:func:`check_group`), for settings
+    that differ across the ranks (on every rank, naming each field and every rank's
+    value), and for no group when ``config.tp_size`` is above 1 (every rank would
+    deliver alone)."""
     if not isinstance(config, OffloadConfig):
         raise KVOffloadError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if group is not None:
@@ -182,6 +302,8 @@ class RankAgreement:
         self.per_rank_keys = config.tp_keys == "rank"
         # copies_here: whether this rank copies and writes ("shared" keys: rank 0 only).
         self.copies_here = self.per_rank_keys or self.rank == 0
+        if self.size > 1:
+            agree_settings(group, config, self.rank, self.size)  # before any buffer sized by them
         self._buf = torch.zeros(HEADER + 2 * self.window, dtype=torch.int64)
         self._a = self._buf.numpy()  # the same memory: filled and read without torch ops
         # _named: how many copy and write slots the last call named (the rest are 0).
@@ -208,6 +330,18 @@ class RankAgreement:
     def clock(self) -> float:
         """The agreed clock (the core's and the timers' clock under a group)."""
         return self.now
+
+    def host_buffer(self, buffer: Any) -> Any:
+        """The host memory this rank's pool is built on: ``buffer`` (the engine's, or
+        ``None``: new memory) on a rank that copies; on one that copies nothing
+        ("shared" keys, rank above 0) an empty ``meta`` tensor, so its host pool keeps
+        the page accounting every rank's decisions read and allocates no memory (it
+        would never be written)."""
+        if self.copies_here:
+            return buffer
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8, device="meta")
 
     def key_space(self, storage: Storage | None) -> Storage | None:
         """``storage`` as this rank reads and writes it: under ``tp_keys="rank"`` each

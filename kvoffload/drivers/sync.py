@@ -87,6 +87,7 @@ class SyncOffloadManager(DriverBase):
         self._tp = join_group(group, config, clock, self._agreement_class)
         if self._tp is not None:
             clock = self._tp.clock  # the core decides by the agreed clock
+            host_buffer = self._tp.host_buffer(host_buffer)  # none on a rank that never copies
         super().__init__(
             config,
             backend=backend,

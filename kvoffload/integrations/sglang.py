@@ -123,9 +123,14 @@ class _Entry:
     __slots__ = ("base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed")
 
     def __init__(self, seed: str) -> None:
-        # ref: the Req, weakly: a Req the scheduler drops leaves nothing here.
+        # ref: the Req, weakly: once no lifecycle of it is live, a Req the scheduler drops
+        #   leaves nothing here (its entry is forgotten; nothing else changes).
         self.ref: Callable[[], Any] = _nothing
-        # req: the Req itself, held from finish until its release only.
+        # req: the Req itself, held while a lifecycle of it is live (from admission to the
+        #   end of the lifecycle that releases it), so no state change ever depends on
+        #   when a collector runs (F31): a lifecycle ends only in a call, the same call on
+        #   every TP rank. Invariant: (self.req is not None) == (self.lc is not None or
+        #   self.finishing is not None)
         self.req: Any = None
         # lc: the live lifecycle, or None (not admitted yet, retracted, released).
         self.lc: Lifecycle | None = None
@@ -261,11 +266,21 @@ class DecodeKVCacheOffloadManager:
             device_kv=device_kv,
             group=tp_group if self.tp_world_size > 1 else None,
         )
-        # _entries: id(Req) -> _Entry, for Reqs alive (weakly held); _dead: entries whose
-        # Req was collected (appended by the weakref callback, on any thread; reaped on
-        # the scheduler's thread at its next call).
+        # _entries: id(Req) -> _Entry, for Reqs alive (weakly held, strongly while a
+        # lifecycle of theirs is live); _dead: entries whose Req was collected (appended by
+        # the weakref callback, on any thread; forgotten on the scheduler's thread at its
+        # next call - memory only: no lifecycle of a collected Req is live).
         self._entries: dict[int, _Entry] = {}
         self._dead: deque[tuple[int, _Entry]] = deque()
+        # _running: lifecycle id -> entry, for each live lifecycle of an unfinished Req
+        # (admission order, the same on every TP rank): where a row taken back is looked for.
+        # Invariant: all(e.lc is not None and e.lc.id == k and e.finishing is None
+        #   for k, e in self._running.items())
+        self._running: dict[int, _Entry] = {}
+        # _ending: lifecycles ended because the engine took their rows back while a copy
+        # still read them (no drain first, F32): they hold their page ids until the copy
+        # ends. Invariant: all(lc.aborted and not lc.released for lc in _ending.values())
+        self._ending: dict[int, Lifecycle] = {}
         # _drained: drain_before_retraction ran; the next call looks for rows taken back.
         self._drained = False
         self.ongoing_offload = _Ongoing(self.manager)
@@ -315,11 +330,27 @@ class DecodeKVCacheOffloadManager:
         is flushed too and the request's release is deferred to its last copy's ack:
         returns True when it was deferred (the scheduler must not release the KV), False
         when there was nothing to defer (the scheduler calls
-        :meth:`finalize_release_on_finish`). Before finish: True when a chunk went out."""
+        :meth:`finalize_release_on_finish`). Before finish: True when a chunk went out.
+
+        A page id the engine hands over for ``req`` that another request's lifecycle
+        still holds means the engine took that request's row back without a drain
+        (priority preemption, F32): that request is found, its lifecycle ended (waiting,
+        at most ``drain_timeout_s``, for a copy still reading its rows), and the call
+        goes on - one request's call never fails because of another's row."""
         if self._dead:
             self._reap()
         if self._drained:  # a retraction may have happened since: find it before using rows
             self._scan_reclaimed()
+        try:
+            return self._offload(req)
+        except PageError:  # nothing changed: find the rows taken back, then once more
+            if not self._free_taken_back():
+                raise
+            return self._offload(req)
+
+    def _offload(self, req: Any) -> bool:
+        """:meth:`offload_kv_cache`'s work; a :class:`~kvoffload.PageError` from it
+        changed nothing (the claims are checked before anything is recorded)."""
         row = req.kv.req_pool_idx
         out = req.output_ids
         if row is None or row == -1 or not out:
@@ -353,8 +384,7 @@ class DecodeKVCacheOffloadManager:
             sent = lc.submitted > before
         if not req.finished():
             return sent
-        e.req = req
-        e.finishing = lc
+        self._finishing(e, lc)
         lc.finish()  # flushes the page-aligned tail; may release at once (on_released)
         return not e.done
 
@@ -362,12 +392,18 @@ class DecodeKVCacheOffloadManager:
         """Once per scheduler iteration, before batch selection: deliver the copies that
         completed (on every TP rank the same ones, agreed), hand copied pages to the
         storage tier, and release each finished request whose last copy is acknowledged
-        (SGLang's release path). Never waits on the device or the store."""
-        if self._dead:
-            self._reap()
+        (SGLang's release path). Never waits on the device or the store.
+
+        First, a request whose row the engine took back since the last call (its
+        ``req_pool_idx`` changed: retraction or preemption) has its lifecycle ended, so
+        a copy of rows no longer its own is discarded, never stored (F32)."""
         if self._drained:
             self._scan_reclaimed()
+        elif self._running:
+            self._rows_taken_back()
         self.manager.poll()
+        if self._dead:
+            self._reap()
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """Release a finished request's KV now, unless a copy still reads it (then its
@@ -384,8 +420,7 @@ class DecodeKVCacheOffloadManager:
                 return
             lc = e.lc
             if lc is not None and e.row == req.kv.req_pool_idx:
-                e.req = req
-                e.finishing = lc
+                self._finishing(e, lc)
                 lc.finish()
                 return
             if lc is not None:
@@ -415,6 +450,8 @@ class DecodeKVCacheOffloadManager:
             finally:
                 self._entries.clear()
                 self._dead.clear()
+                self._running.clear()
+                self._ending.clear()
 
     # --- SGLang's release path ---------------------------------------------------------
 
@@ -487,13 +524,9 @@ class DecodeKVCacheOffloadManager:
             if stored:
                 chain = page_run_keys(e.seed or None, validate_tokens(tokens[:stored], "prompt"), ps)[-1]
         pages = self._pages(row, stored, committed)
-        try:
-            lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
-        except PageError:
-            if not self._scan_reclaimed():
-                raise
-            lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
-        e.lc, e.row, e.base, e.resume = lc, row, stored, None
+        lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
+        e.lc, e.row, e.base, e.resume, e.req = lc, row, stored, None, req
+        self._running[lc.id] = e
         return lc
 
     def _pages(self, row: Any, start: int, end: int) -> list[int]:
@@ -521,10 +554,9 @@ class DecodeKVCacheOffloadManager:
         cold path, after a retraction only. Returns whether any was taken back."""
         self._drained = False
         found = False
-        for e in list(self._entries.values()):
-            req, lc = e.ref(), e.lc
-            if lc is None or e.finishing is not None or req is None:
-                continue
+        for e in list(self._running.values()):
+            req, lc = e.req, e.lc
+            assert lc is not None and req is not None
             row = req.kv.req_pool_idx
             # The same row with exactly the pages lc holds: nothing was taken back (or all
             # of it was given back as it was, its KV recomputed from the same tokens).
@@ -534,11 +566,40 @@ class DecodeKVCacheOffloadManager:
             found = True
         return found
 
+    def _rows_taken_back(self) -> None:
+        """End the lifecycle of every unfinished Req whose row index changed since its
+        admission (the engine freed the row: retraction, preemption, or a Req it
+        dropped). A few attribute reads per running request; the row's contents are
+        compared only after a drain or a refused page (:meth:`_scan_reclaimed`)."""
+        gone = [e for e in self._running.values() if e.req.kv.req_pool_idx != e.row]
+        for e in gone:
+            self._reclaimed(e)
+
+    def _free_taken_back(self) -> bool:
+        """A page id was refused as held by another live lifecycle: end the lifecycles of
+        rows the engine took back, then wait (a collective under TP, the same on every
+        rank) until those still read by a copy are released, so their page ids are free.
+        Returns whether anything was found or waited for (else the refusal stands)."""
+        found = self._scan_reclaimed()
+        ending = [lc for lc in self._ending.values() if not lc.released]
+        timeout = self.manager.config.drain_timeout_s
+        for lc in ending:
+            self.manager.wait_released(lc, timeout)
+        return found or bool(ending)
+
+    def _finishing(self, e: _Entry, lc: Lifecycle) -> None:
+        """``lc``'s release is now the Req's release (finish was called)."""
+        e.finishing = lc
+        self._running.pop(lc.id, None)
+
     def _reclaimed(self, e: _Entry) -> None:
-        """The engine took ``e``'s row back (retraction): end its lifecycle, keeping where
-        the chain is so the resumed request continues it."""
+        """The engine took ``e``'s row back (retraction; preemption): end its lifecycle,
+        keeping where the chain is so the resumed request continues it. Copies still in
+        flight read rows no longer the request's: they are discarded when they end, and
+        the chain resumes at the first of them."""
         lc = e.lc
         assert lc is not None
+        stored, chain = lc.submitted, lc.chain_key or ""
         if lc.inflight:  # the engine freed rows under a running copy (no drain first)
             logger.error(
                 "sglang.rows_reclaimed_mid_copy",
@@ -547,29 +608,46 @@ class DecodeKVCacheOffloadManager:
                 inflight=lc.inflight,
                 hint="call drain_before_retraction() before retracting",
             )
-        e.resume = (e.base + lc.submitted, lc.chain_key or "")
+            mine = [t.first_token for t in self.manager.core.inflight.values() if t.lifecycle is lc]
+            stored = min(mine, default=stored)
+            chain = self._chain_at(e, e.base + stored)
+        e.resume = (e.base + stored, chain)
         e.lc = None
         e.row = None
+        e.req = None
+        self._running.pop(lc.id, None)
         lc.abort()
+        if not lc.released:
+            self._ending[lc.id] = lc
+
+    def _chain_at(self, e: _Entry, n: int) -> str:
+        """The chain key of ``e``'s Req after its first ``n`` tokens (page-aligned)."""
+        req = e.req
+        if n == 0:
+            return e.seed
+        tokens = [*req.origin_input_ids, *req.output_ids][:n]
+        return page_run_keys(e.seed or None, validate_tokens(tokens, "tokens"), self.page_size)[-1]
 
     def _reap(self) -> None:
-        """Forget the entries of collected Reqs; a live lifecycle among them is aborted
-        (its copies finish into host pages that are then returned)."""
+        """Forget the entries of collected Reqs. Memory only: a Req with a live
+        lifecycle is held (``_Entry.req``), so none of these has one, and nothing a
+        collector does changes a lifecycle (F31)."""
         dead = self._dead
         while dead:
             key, e = dead.popleft()
+            assert e.lc is None or e.lc.released, "a collected Req had a live lifecycle"
             if self._entries.get(key) is e:
                 del self._entries[key]
-            lc = e.lc
-            e.lc = None
-            if lc is not None and not lc.released and e.finishing is None:
-                lc.abort()
 
     def _on_released(self, lc: Lifecycle) -> None:
         """kvoffload released ``lc``: if it carried a finished Req, SGLang's release path."""
+        self._ending.pop(lc.id, None)
         e: _Entry = lc.tag
         if e.lc is lc:
             e.lc = None
+            self._running.pop(lc.id, None)
+            if e.finishing is None:
+                e.req = None
         if e.finishing is lc:
             self._release(e.req, e)
 

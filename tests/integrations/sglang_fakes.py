@@ -299,6 +299,15 @@ class Engine:
         itself and puts it back in the waiting queue (its outputs kept)."""
         assert self.mgr is not None
         self.mgr.drain_before_retraction()
+        self._take_back(req)
+
+    def preempt(self, req: Req) -> None:
+        """SGLang's priority preemption (at batch selection, to make room for a request of
+        higher priority): the request's row and pages are freed and it goes back to the
+        waiting queue, as in a retraction - but without draining first (F32)."""
+        self._take_back(req)
+
+    def _take_back(self, req: Req) -> None:
         self.running.remove(req)
         kv = req.kv
         self.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
@@ -337,11 +346,17 @@ def collect() -> None:
 # --- tensor parallelism: what each rank runs (imported by name in the rank processes) ----
 
 
-def tp_rank_run(ctx: Any, seed: int, root: str, mla: bool = False) -> dict[str, Any]:
+def tp_rank_run(
+    ctx: Any, seed: int, root: str, mla: bool = False, drop_in_a_cycle: bool = False
+) -> dict[str, Any]:
     """One TP rank of a replicated SGLang scheduler: the same requests and calls on
     every rank, each rank's copies completing in its own random order and rounds (a
     SimBackend), KV that differs by rank (its heads). Returns what the test compares:
-    the iteration each request was released in, and what this rank stored."""
+    the iteration each request was released in, and what this rank stored.
+
+    ``drop_in_a_cycle``: at iteration 6 the engine drops a running request mid-decode
+    (its row kept), caught in a reference cycle; rank 0's collector runs at once, the
+    others' never does (F31); at iteration 12 the engine frees the row."""
     import random
 
     from kvoffload.storage.file import FileStorage
@@ -359,11 +374,30 @@ def tp_rank_run(ctx: Any, seed: int, root: str, mla: bool = False) -> dict[str, 
         r.uid = 1000 + i  # the same request identity on every rank
     released_at: dict[int, list[str]] = {}
     waiting = list(reqs)
+    dropped: KV | None = None
+    counts: list[tuple[int, ...]] = []  # after every iteration: what every rank must see alike
+    if drop_in_a_cycle:
+        gc.disable()
     for it in range(500):
         if waiting and it % 3 == 0:
             engine.prefill(waiting.pop(0))
+        if drop_in_a_cycle and it == 6:
+            gone = engine.running[0]
+            gone.cycle = gone  # type: ignore[attr-defined]  # only the collector frees it
+            dropped = gone.kv
+            engine.running.remove(gone)
+            reqs.remove(gone)
+            del gone
+            if ctx.rank == 0:
+                gc.collect()
+        if dropped is not None and it == 12:
+            engine.tree.free_kv_row(dropped, [(0, dropped.kv_allocated_len)])
+            engine.r2t.free_rows.append(dropped.req_pool_idx)  # type: ignore[arg-type]
+            dropped.req_pool_idx = None
         before = len(engine.tree.released)
         engine.iteration()
+        s = mgr.statistics()
+        counts.append((it, s.live_lifecycles, s.released_aborted, s.chunks_discarded, s.device_pages_used))
         # This rank's copy engine: a random subset of its copies, in a random order.
         pending = list(sim.pending)
         rng.shuffle(pending)
@@ -381,7 +415,9 @@ def tp_rank_run(ctx: Any, seed: int, root: str, mla: bool = False) -> dict[str, 
     mgr.manager.check_invariants()
     stats = mgr.statistics()
     mgr.release_host_resources()
+    gc.enable()
     return {
+        "counts": counts,
         "released_at": released_at,
         "released": list(engine.tree.released),
         "pages_stored": stats.pages_stored,

@@ -9,6 +9,7 @@ independently computed chain keys, and that every page the engine handed out cam
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import struct
 import subprocess
@@ -200,6 +201,9 @@ def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
 
 
 def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
+    """The engine drops a Req (frees its row and pages) without finishing it: the next
+    check_offload_progress sees the row gone and ends its lifecycle; once the Req is
+    collected nothing of it is left, and nothing is released through SGLang's path."""
     sim = SimBackend()
     mgr, _ = open_mgr(engine, sim)
     req = Req("gone", list(range(9)), max_new=100)
@@ -219,9 +223,11 @@ def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
     check_nothing_left_and_close(engine, mgr)
 
 
-def test_a_req_dropped_mid_copy_is_held_until_its_copy_ends() -> None:
-    """Dropped while its copy runs: the lifecycle is aborted; the host pages come back
-    when the copy completes; nothing of the Req is pinned meanwhile."""
+def test_a_req_dropped_mid_copy_is_held_until_its_row_is_taken_back() -> None:
+    """Dropped while its copy runs, its row kept: the collector ends nothing (F31) - the
+    lifecycle and its Req are held, the copy ends and its host pages come back; when the
+    engine frees the row, the next check_offload_progress ends the lifecycle and then
+    nothing of the Req is left."""
     engine = Engine(page_size=PS)
     sim = SimBackend()
     mgr, _ = open_mgr(engine, sim)
@@ -234,13 +240,17 @@ def test_a_req_dropped_mid_copy_is_held_until_its_copy_ends() -> None:
     del req
     collect()
     mgr.check_offload_progress()
-    assert mgr._entries == {}
+    assert len(mgr._entries) == 1 and mgr.statistics().live_lifecycles == 1
     assert mgr.statistics().host_pages_used > 0  # still under the running copy
     sim.complete_all()
-    mgr.check_offload_progress()
-    assert mgr.statistics().host_pages_used == 0 and mgr.statistics().live_lifecycles == 0
+    writes_done(mgr)
+    assert mgr.statistics().host_pages_used == 0 and mgr.statistics().live_lifecycles == 1
     engine.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
-    mgr.release_host_resources()
+    engine.r2t.free_rows.append(kv.req_pool_idx)  # type: ignore[arg-type]
+    kv.req_pool_idx = None
+    mgr.check_offload_progress()
+    assert mgr.statistics().live_lifecycles == 0 and mgr._entries == {}
+    check_nothing_left_and_close(engine, mgr)
 
 
 def test_drain_before_retraction_waits_for_every_copy(engine: Engine) -> None:
@@ -394,6 +404,171 @@ def test_idle_and_in_flight_gates(engine: Engine) -> None:
     assert len(mgr.ongoing_offload) == 0
     engine.drop(req)
     mgr.release_host_resources()
+
+
+# --- state changes that every TP rank makes in the same call (F31, F32) -----------------
+
+
+def _a_dropped_req_in_a_cycle(collect_it: bool) -> list[tuple[str, Any]]:
+    """One scheduler's run, recorded after every call that reaches kvoffload: a Req the
+    engine drops mid-copy, caught in a reference cycle, is collected right away
+    (``collect_it``) or not at all; later the engine takes its row back. What a TP rank
+    sees: the same calls on every rank, the collector running whenever it runs."""
+    engine = Engine(page_size=PS)
+    sim = SimBackend()
+    # No storage: host pages come back when a copy is delivered, not when a writer thread
+    # is done, so what each call sees depends on the calls alone.
+    mgr = engine.manager(storage=None, backend=sim, host_pages=64, drain_timeout_s=5.0)
+    seen: list[tuple[str, Any]] = []
+
+    def record(label: str) -> None:
+        s = mgr.statistics()
+        counts = (s.live_lifecycles, s.finishing, s.released_aborted, s.device_pages_used, s.host_pages_used)
+        seen.append((label, (*counts, s.chunks_inflight, s.chunks_discarded, list(engine.tree.released))))
+
+    a = Req("a", list(range(9)), max_new=100)
+    b = Req("b", list(range(5)), max_new=24)
+    engine.prefill(a)
+    engine.prefill(b)
+    for i in range(6):
+        engine.iteration()
+        record(f"step {i}")
+    assert any(t.lifecycle.tag.ref() is a for t in sim.pending), "a's copy is in flight"
+    a.cycle = a  # type: ignore[attr-defined]  # only the collector can free it
+    kv = a.kv
+    engine.running.remove(a)  # the engine forgets it, and keeps its row for now
+    del a
+    if collect_it:
+        collect()
+    try:
+        for i in range(6):
+            sim.complete_all()
+            engine.iteration()
+            record(f"after the drop, step {i}")
+        # The engine takes the row back (its pages and the row itself).
+        engine.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
+        engine.r2t.free_rows.append(kv.req_pool_idx)  # type: ignore[arg-type]
+        kv.req_pool_idx = None
+        mgr.check_offload_progress()
+        record("row taken back")
+        while engine.running or sim.pending:
+            sim.complete_all()
+            engine.iteration()
+            record("to the end")
+    except kvo.KVOffloadError as exc:  # what the scheduler would have died of
+        seen.append(("raised", f"{type(exc).__name__}: {exc}"))
+        mgr.release_host_resources()
+        return seen
+    check_nothing_left_and_close(engine, mgr)
+    return seen
+
+
+def test_f31_the_collector_running_at_another_moment_changes_nothing_a_rank_sees() -> None:
+    """F31: a Req caught in a reference cycle is collected at a different moment on each
+    TP rank. Every state change must come from a call, the same on every rank, never
+    from the collector: the run where the cycle is collected at once and the run where
+    it never is see the same lifecycles, pages, copies and releases after every call.
+    The dropped Req's lifecycle ends in the call that sees its row taken back."""
+    gc.disable()
+    try:
+        collected = _a_dropped_req_in_a_cycle(True)
+        kept = _a_dropped_req_in_a_cycle(False)
+    finally:
+        gc.enable()
+    for mine, theirs in zip(collected, kept, strict=True):
+        assert mine == theirs, f"collected: {mine}, never collected: {theirs}"
+    by_label = dict(kept)
+    live_before = by_label["after the drop, step 5"][0]
+    live_after = by_label["row taken back"][0]
+    assert live_after == live_before - 1, (live_before, live_after)
+
+
+class FinishesWhenWaitedOn(SimBackend):
+    """A copy engine whose pending copies all finish when the caller waits for one: the
+    test's schedule, with nothing finishing on its own (so a wait that was not needed,
+    or never made, shows in what is in flight)."""
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        self.complete_all()
+        return super().wait_ready(timeout)
+
+
+def _pages_of(engine: Engine, req: Req) -> list[int]:
+    row = req.kv.req_pool_idx
+    return [int(engine.r2t.req_to_token[row, p * PS]) // PS for p in range(req.kv.kv_allocated_len // PS)]
+
+
+@pytest.mark.parametrize("path", ["extend", "admit"])
+def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_call(path: str) -> None:
+    """F32: the scheduler preempts request a (priority preemption: its row and pages
+    freed, no drain first) while a's copy is in flight; the pages go to b's next step
+    (``extend``) or to a new request c (``admit``). That call must not fail: the
+    reclaimed row is found, a's lifecycle ends (its copy discarded once it ends), and
+    the page is b's or c's. a resumes later and its chain goes on from its last page
+    actually stored; every request's pages are stored with the engine's bytes."""
+    engine = Engine(page_size=PS)
+    sim = FinishesWhenWaitedOn()
+    mgr, storage = open_mgr(engine, sim)
+    a = Req("a", list(range(9)), max_new=40)
+    b = Req("b", list(range(6)), max_new=30)
+    engine.prefill(a)
+    engine.prefill(b)
+
+    def ready() -> bool:
+        copying = any(t.lifecycle.tag.ref() is a for t in sim.pending)
+        b_grows = len(b.origin_input_ids) + len(b.output_ids) + 1 > b.kv.kv_allocated_len
+        return copying and (path == "admit" or b_grows)
+
+    for _ in range(40):
+        if ready():
+            break
+        engine.iteration()
+    assert ready()
+    a_pages = set(_pages_of(engine, a))
+    # SGLang's order: progress, then batch selection (which preempts), then the step.
+    mgr.check_offload_progress()
+    engine.preempt(a)  # no drain: a's copy still reads its rows
+    reqs = [a, b]
+    if path == "admit":
+        c = Req("c", list(range(50, 63)), max_new=20)
+        engine.prefill(c)
+        reqs.append(c)
+        assert a_pages & set(_pages_of(engine, c)), "c was handed a's pages"
+    engine.forward()
+    engine.process_results()  # the step's offload calls: none may raise
+    if path == "extend":
+        assert _pages_of(engine, b)[-1] in a_pages, "b's new page was a's"
+    engine.resume(a)
+    while engine.running:
+        sim.complete_all()
+        engine.iteration()
+    sim.complete_all()
+    settle(mgr)
+    assert sorted(engine.tree.released) == sorted(r.rid for r in reqs)
+    for r in reqs:
+        n = len(r.origin_input_ids) + len(r.output_ids) - 1
+        check_stored(mgr, engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
+    check_nothing_left_and_close(engine, mgr)
+
+
+def test_f31_two_tp_ranks_whose_collectors_run_at_other_moments_stay_in_step(tmp_path: Any) -> None:
+    """F31 on two gloo ranks: a request dropped mid-decode in a reference cycle is
+    collected on rank 0 at once and on rank 1 never. Both ranks see the same
+    lifecycles, aborts, discarded copies and pages after every iteration, release the
+    same requests in the same iterations, and no collective raises RanksDiverged."""
+    from sglang_fakes import tp_rank_run
+
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=120.0) as ranks:
+        r0, r1 = ranks.run(tp_rank_run, 11, str(tmp_path), False, True)
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert sorted(r0["released"]) == sorted(r for r, *_ in r0["reqs"])
+    aborted = [c[2] for c in r0["counts"]]  # released ABORTED: only the dropped request is
+    assert aborted[11] == 0 and aborted[12] == 1, f"the dropped request ends when its row goes: {aborted}"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0 and r["engine_pages_held"] == 0
 
 
 # --- where kvoffload differs on purpose ------------------------------------------------
