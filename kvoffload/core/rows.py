@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DecodeRows"]
 
 _ROW = attrgetter("_row")
+_BOOL_DTYPES = ("bool", "torch.bool")
 #: Steps a row may go without a sync at most (its ring is this wide, or the stride).
 _MAX_WIDTH = 256
 
@@ -54,8 +55,9 @@ def token_column(tokens: Any) -> np.ndarray | None:
     col = np.frombuffer(ids, dtype=np.uint32)
     if len(col) and col.min() <= 1:  # a bool converts to 0 or 1: look only there
         for i in np.flatnonzero(col <= 1).tolist():
-            if type(tokens[i]) is not int:
-                return None
+            t = tokens[i]
+            if type(t) is not int and (type(t) is bool or str(getattr(t, "dtype", "")) in _BOOL_DTYPES):
+                return None  # (a numpy or torch integer 0 or 1 is a token id, as everywhere)
     return col
 
 

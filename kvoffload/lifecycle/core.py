@@ -247,7 +247,9 @@ class Lifecycle:
         # One comparison decides it: _quiet is due - 1 in a state where extend is a
         # self-loop with a narrow tail, else -1. A uint64 tail takes the full path
         # (array("Q") would take ids >= 2**63), and so does a bool (array("I") takes it).
-        if type(tokens) is list and not pages and ready is None:
+        # pages: only None or [] ("no pages", as on the full path); anything else - a numpy
+        # array whose truth value says nothing of its length included - takes the full path.
+        if type(tokens) is list and (pages is None or (type(pages) is list and not pages)) and ready is None:
             if len(tokens) == 1:  # one decode step of one token: the hottest path
                 t = tokens[0]
                 committed = self._committed + 1
