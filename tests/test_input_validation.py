@@ -543,3 +543,78 @@ def test_a_shared_prefix_survives_an_admit_the_mover_refuses() -> None:
     assert snapshot(core, jobs) == before
     core.check_invariants()
     assert a.device_pages == [1, 2, 3, 4, 10]
+
+
+# --- every bad entry, every position, every batch size ---------------------------------
+
+BAD_ENTRIES = [
+    "lifecycle-none",
+    "lifecycle-finished",
+    "token-bool",
+    "token-negative",
+    "token-float",
+    "token-none",
+    "token-nested",
+    "pages-set",
+    "pages-nested",
+    "pages-range-out",
+    "pages-held",
+    "pages-missing",
+    "pages-twice",
+    "pages-owned",
+]
+
+
+#: (mode, bad entry): engine page ids are bad in engine-owned mode, any page id in owned mode.
+MODE_BAD = [
+    (mode, bad)
+    for mode in ("owned", "engine")
+    for bad in BAD_ENTRIES
+    if not bad.startswith("pages-") or (bad == "pages-owned") == (mode == "owned")
+]
+
+
+@pytest.mark.parametrize(("mode", "bad"), MODE_BAD)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("n", [3, 60], ids=["loop", "rows"])
+def test_extend_batch_one_bad_entry_anywhere_changes_nothing(mode: str, bad: str, where: str, n: int) -> None:
+    """A step where every entry takes a new page, with one bad entry (first, in the
+    middle, last) at a batch size below and above rows_min: a typed error, and nothing
+    applied - no token, no page recorded, counts as before."""
+    engine = mode == "engine"
+    core, jobs = make_core(engine, host=64)
+    pages0 = [[2 * i, 2 * i + 1] for i in range(n)] if engine else [None] * n
+    lcs: list[Any] = [core.admit(f"r{i}", [1, 2, 3], pages=pages0[i], stored=0) for i in range(n)]
+    core.extend_batch(lcs, [4] * n)  # fills each second page; seats the rows (n >= rows_min)
+    at = {"first": 0, "middle": n // 2, "last": n - 1}[where]
+    tokens: list[Any] = [5] * n
+    pages: list[Any] | None = [[500 + i] for i in range(n)] if engine else None
+    if bad == "lifecycle-none":
+        lcs[at] = None
+    elif bad == "lifecycle-finished":
+        lcs[at].finish()
+    elif bad.startswith("token-"):
+        tokens[at] = {"bool": True, "negative": -5, "float": 5.0, "none": None, "nested": [[5]]}[bad[6:]]
+    elif bad == "pages-owned":
+        pages = [None] * n
+        pages[at] = [0]
+    else:
+        assert pages is not None
+        pages[at] = {
+            "set": {500 + at},
+            "nested": [[500 + at]],
+            "range-out": [PAGES],
+            "held": [0 if at else 2],
+            "missing": None,
+            "twice": pages[(at + 1) % n],
+        }[bad[6:]]
+    before = snapshot(core, jobs)
+    with pytest.raises(kvo.KVOffloadError):
+        core.extend_batch(lcs, tokens, pages=pages)
+    assert snapshot(core, jobs) == before
+    core.check_invariants()
+    if bad != "lifecycle-finished":  # the step, put right, applies whole
+        good = [core.lifecycles()[i] for i in range(n)]
+        core.extend_batch(good, [5] * n, pages=[[500 + i] for i in range(n)] if engine else None)
+        assert all(lc.committed == 5 for lc in good)
+        core.check_invariants()

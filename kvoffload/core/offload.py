@@ -232,11 +232,14 @@ class OffloadCore:
         the prompt's unstored whole pages go out at once).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. Owned mode allocates the prompt's device pages;
-        engine-owned mode takes ``pages``, the engine's ids of exactly the pages the
-        prompt fills. ``stored``: leading prompt tokens the storage tier already has
-        (page-aligned; default the page-aligned prompt, or 0 with ``offload_prompt``):
-        they are never copied and the chain continues from their key. Raises
+        the two never share state. Owned mode allocates the prompt's device pages
+        (``pages`` None or empty); engine-owned mode takes ``pages``, the engine's ids
+        of exactly the pages the prompt fills, in token order
+        (:func:`~kvoffload.pools.page_ids`). ``stored``: leading prompt tokens the
+        storage tier already has (page-aligned; default the page-aligned prompt, or 0
+        with ``offload_prompt``): they are never copied and the chain continues from
+        their key; their pages may also be in other live lifecycles' stored prefixes
+        (a prefix cache shares them), the pages after them are this lifecycle's own. Raises
         :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`,
         :class:`~kvoffload.PageError`, or the mover's error when it refuses the prompt
         chunk, with nothing changed.
