@@ -618,3 +618,37 @@ def test_extend_batch_one_bad_entry_anywhere_changes_nothing(mode: str, bad: str
         core.extend_batch(good, [5] * n, pages=[[500 + i] for i in range(n)] if engine else None)
         assert all(lc.committed == 5 for lc in good)
         core.check_invariants()
+
+
+@pytest.mark.parametrize("view", ["keys", "values", "items"])
+def test_tokens_in_a_dict_view_are_refused(view: str) -> None:
+    """Token ids in a dict view have no order of their own (a set's, or the dict's): the
+    same InvalidTokens as a set or a dict, on extend and on extend_batch."""
+    core, jobs = make_core(False)
+    lc = _lc(core, 3)
+    ids = getattr({5: 6, 7: 8}, view)()
+    before = snapshot(core, jobs)
+    with pytest.raises(kvo.InvalidTokens, match="order"):
+        lc.extend(ids)
+    with pytest.raises(kvo.InvalidTokens, match="order"):
+        core.extend_batch([lc], [ids])
+    assert snapshot(core, jobs) == before
+
+
+def test_numpy_page_ids_keep_the_array_state() -> None:
+    """Engine-owned mode, from rows_min lifecycles: a page step whose ids are numpy
+    integers is taken by the array state itself (before, every such step gave every
+    row back), with the same pages as a list of ints."""
+    sides = []
+    for kind in (int, np.int64):
+        core, jobs = make_core(True, host=64, rows_min=1)
+        lcs = [core.admit(f"r{i}", [1, 2, 3], pages=[2 * i, 2 * i + 1], stored=0) for i in range(4)]
+        core.extend_batch(lcs, [4] * 4)
+        rows = core.rows
+        assert rows is not None and rows.attached == 4
+        core.extend_batch(lcs, [5] * 4, pages=[[kind(100 + i)] for i in range(4)])
+        assert rows.attached == 4  # no row given back
+        assert all(type(p) is int for lc in lcs for p in lc.device_pages)
+        core.check_invariants()
+        sides.append(snapshot(core, jobs))
+    assert sides[0] == sides[1]

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvoffload.errors import PageError
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, Lifecycle
+from kvoffload.pools import page_ids
 
 if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
@@ -248,7 +250,12 @@ class DecodeRows:
             if isinstance(given, (str, bytes)) or not hasattr(given, "__len__") or len(given) != 1:
                 return None
             q = given[0]
-            if type(q) is not int or not 0 <= q < pool_e.n_pages or pool_e.is_allocated(q):
+            if type(q) is not int:  # a numpy or torch integer id: as every other path reads it
+                try:
+                    (q,) = page_ids(given)
+                except PageError:
+                    return None
+            if not 0 <= q < pool_e.n_pages or pool_e.is_allocated(q):
                 return None
             ids.append(q)
         if len(set(ids)) != k:
