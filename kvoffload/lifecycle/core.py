@@ -233,8 +233,12 @@ class Lifecycle:
 
         Legal in PENDING and OFFLOADING. Owned mode: allocates device pages for the new
         tokens first (a full device pool raises :class:`~kvoffload.PoolExhausted` and
-        changes nothing). Engine-owned mode: ``pages`` are the engine's ids of exactly
-        the new pages these tokens start. ``ready`` is what the copy must wait for on a
+        changes nothing; ``pages`` must be None or empty). Engine-owned mode: ``pages``
+        are the engine's ids of exactly the new pages these tokens start, in token order
+        (None or ``[]`` when none; a set is refused: see
+        :func:`kvoffload.pools.page_ids`). Every path of this call - its fast paths, the
+        full one, with or without a listener - accepts and refuses the same input, with
+        nothing changed on refusal. ``ready`` is what the copy must wait for on a
         GPU. Never blocks: a full host pool drops (or defers) the chunk. A chunk made
         due here is submitted at once, but no copy reads a page before control returns
         to the driver (F19).
