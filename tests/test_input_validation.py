@@ -652,3 +652,76 @@ def test_numpy_page_ids_keep_the_array_state() -> None:
         core.check_invariants()
         sides.append(snapshot(core, jobs))
     assert sides[0] == sides[1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_shared_stored_prefixes_over_random_schedules(seed: int) -> None:
+    """Random admits of requests that share one of a few cached prompt prefixes (their
+    stored pages), decode steps with the engine's new pages, finishes, aborts and
+    completions in any order: after every step the ledger holds, the record of every
+    engine page is exactly what the live lifecycles hold (a shared page once, with its
+    number of holders), no copy reads a shared page, and each lifecycle is released
+    exactly once (its own pages go back to the engine then)."""
+    import random
+
+    rng = random.Random(seed)
+    core, jobs = make_core(True, stride=4, host=32)
+    released: list[kvo.Lifecycle] = []
+    prefixes = [[100 + 10 * k + j for j in range(2 * (k + 1))] for k in range(3)]  # 2, 4, 6 pages
+    free = list(range(200, PAGES))
+    rng.shuffle(free)
+    cached_of: dict[int, list[int]] = {}  # lifecycle id -> its stored prefix pages
+    own_of: dict[int, list[int]] = {}  # lifecycle id -> the pages it was handed for itself
+
+    def on_released(lc: kvo.Lifecycle) -> None:
+        released.append(lc)
+        free.extend(own_of.pop(lc.id))
+        del cached_of[lc.id]
+
+    core.host.on_released = on_released  # type: ignore[attr-defined]
+    most = 0  # the most live lifecycles that shared one page at once
+    for _ in range(150):
+        running = [lc for lc in core.live.values() if lc.state.name in ("PENDING", "OFFLOADING")]
+        op = rng.choice(["admit", "admit", "extend", "extend", "extend", "finish", "abort", "complete"])
+        if op == "admit":
+            k = rng.randrange(3)
+            cached = prefixes[k][: rng.randint(0, len(prefixes[k]))]
+            extra = rng.randint(0, 5)
+            own = [free.pop() for _ in range(-(-extra // PS))]
+            lc = core.admit(
+                "r", list(range(len(cached) * PS + extra)), pages=cached + own, stored=len(cached) * PS
+            )
+            cached_of[lc.id], own_of[lc.id] = cached, own
+        elif op == "extend" and running:
+            lc = rng.choice(running)
+            n = rng.randint(1, 5)
+            new = [free.pop() for _ in range(-(-(lc.committed + n) // PS) - len(lc.device_pages))]
+            lc.extend(list(range(n)), pages=new)
+            own_of[lc.id] += new
+        elif op in ("finish", "abort") and running:
+            lc = rng.choice(running)
+            (lc.finish if op == "finish" else lc.abort)()
+        elif op == "complete" and jobs:
+            rng.shuffle(jobs)
+            done = [jobs.pop() for _ in range(rng.randint(1, len(jobs)))]
+            for lc in core.complete([(t, None) for t in done]):
+                on_released(lc)
+        pool = core.device_pool
+        assert isinstance(pool, EnginePages)
+        for t in jobs:
+            assert not any(pool.shared_count(p) for p in t.device_pages)
+        core.check_invariants()
+        want: dict[int, int] = {}
+        for cached in cached_of.values():
+            for p in cached:
+                want[p] = want.get(p, 0) + 1
+        assert pool._shared == want
+        assert pool.used == len(want) + sum(map(len, own_of.values()))
+        most = max(most, *want.values(), 0)
+    for lc in list(core.live.values()):
+        lc.abort()
+    for lc in core.complete([(t, None) for t in jobs]):
+        on_released(lc)
+    assert core.device_pool.used == 0 and not core.live and not own_of
+    assert len(released) == len({lc.id for lc in released}) == core.counters.admitted
+    assert most >= 2  # the schedule did share pages
