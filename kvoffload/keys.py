@@ -19,7 +19,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MappingView, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -68,7 +68,8 @@ def validate_tokens(tokens: Sequence[int], what: str = "tokens") -> array[int]:
     one-dimensional integer numpy array or torch tensor, or another iterable of ints
     (read once). Raises :class:`InvalidTokens` naming the first bad element, or what
     is wrong with the container: ids outside ``[0, 2**63)``, bools, floats, str and
-    bytes, sets and dicts (no order), float or bool arrays and tensors.
+    bytes, sets, dicts and dict views (no order of their own), float or bool arrays
+    and tensors.
     """
     items: Any
     scan = True  # whether elements may be Python objects of any type (bools included)
@@ -91,7 +92,7 @@ def validate_tokens(tokens: Sequence[int], what: str = "tokens") -> array[int]:
         items, scan = tokens, False
     elif isinstance(tokens, (str, bytes, bytearray, memoryview)):
         raise InvalidTokens(f"{what} must be a sequence of token ids, not {type(tokens).__name__}")
-    elif isinstance(tokens, (AbstractSet, Mapping)):
+    elif isinstance(tokens, (AbstractSet, Mapping, MappingView)):
         raise InvalidTokens(f"{what} must be an ordered sequence of token ids, not a {type(tokens).__name__}")
     elif kind is range:
         items, scan = tokens, False

@@ -22,7 +22,8 @@ page before it changes anything, so a double free raises
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Mapping, MappingView, Sequence, Set
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvoffload.errors import ConfigError, PageError, PoolExhausted
@@ -30,7 +31,7 @@ from kvoffload.errors import ConfigError, PageError, PoolExhausted
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DevicePool", "EnginePages", "HostPool", "PagePool", "host_tensor", "page_views"]
+__all__ = ["DevicePool", "EnginePages", "HostPool", "PagePool", "host_tensor", "page_ids", "page_views"]
 
 _P = TypeVar("_P", bound="PagePool")
 
@@ -250,14 +251,72 @@ def host_tensor(
     return t
 
 
+_INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
+
+
+def page_ids(pages: Any, what: str = "pages") -> list[int]:
+    """The engine's page ids ``pages`` as a list of Python ints, in token order.
+
+    Accepted: a list, tuple or range of ints (numpy or torch integer scalars too), an
+    ``array.array`` of an integer typecode, a one-dimensional integer numpy array or
+    torch tensor. Refused with :class:`~kvoffload.PageError` naming what is wrong: an
+    unordered collection (a set, a dict or a dict view: its hash order would store each
+    page's KV under another page's key), str or bytes, anything that is not a sequence
+    (an iterator, an int), a float, bool or many-dimensional array, an element that is
+    not an int (a bool, a float, a nested list). Range and duplicates are checked by
+    :meth:`EnginePages.claim`.
+    """
+    kind = type(pages)
+    if kind is list or kind is tuple:  # the common case: no ABC checks
+        items: Any = pages
+    elif isinstance(pages, (Set, Mapping, MappingView)):
+        raise PageError(
+            f"{what} must be an ordered sequence of page ids (in token order), not a "
+            f"{kind.__name__}: its order is its hash order"
+        )
+    elif isinstance(pages, (str, bytes, bytearray, memoryview)) or not hasattr(pages, "__len__"):
+        raise PageError(f"{what} must be a sequence of page ids, got {kind.__name__}")
+    elif kind is range:
+        return list(pages)
+    elif getattr(pages, "dtype", None) is not None:  # a numpy array or a torch tensor
+        dtype = str(pages.dtype).removeprefix("torch.")
+        if dtype not in _INT_DTYPES:
+            raise PageError(f"{what} has dtype {dtype}: page ids are integers")
+        shape = tuple(pages.shape)
+        if len(shape) != 1:
+            raise PageError(f"{what} must be one-dimensional, got shape {shape}")
+        return list(pages.tolist())
+    elif isinstance(pages, array):
+        if pages.typecode not in "bBhHiIlLqQ":
+            raise PageError(f"{what} is an array of typecode {pages.typecode!r}: page ids are integers")
+        return pages.tolist()
+    else:
+        items = list(pages)
+    out = list(items)  # a copy: the engine's own list may change after the call
+    for i, p in enumerate(out):
+        if type(p) is not int:
+            if (
+                isinstance(p, bool)
+                or str(getattr(p, "dtype", "")) in ("bool", "torch.bool")
+                or not hasattr(p, "__index__")
+                or getattr(p, "ndim", None)
+            ):
+                raise PageError(f"page id {p!r} ({what}[{i}]) is not an int")
+            out[i] = p.__index__()
+    return out
+
+
 class EnginePages:
     """The engine's own device pages (engine-owned mode, ``device_pages=None``).
 
     ``tensors`` are the engine's KV tensors, each ``(num_pages, page_size, ...)`` and
-    contiguous, on one device (SGLang's per-layer K and V buffers, reshaped). kvoffload
-    allocates none of these pages and frees none: :meth:`claim` records that a live
-    lifecycle holds the ids the engine handed over (refusing an id out of range, named
-    twice, or held by another live lifecycle), :meth:`free` forgets them at RELEASED.
+    contiguous, on one device (SGLang's per-layer K and V buffers, reshaped), with at
+    least one page. kvoffload allocates none of these pages and frees none: :meth:`claim`
+    records that a live lifecycle holds the ids the engine handed over (refusing an id
+    out of range, named twice, or held by another live lifecycle - except that the
+    pages of a stored prefix, which kvoffload never copies, may be in several live
+    lifecycles' stored prefixes, as a prefix cache shares them), :meth:`free` forgets
+    them at RELEASED (a shared page when its last holder is released).
     A host page holds a page's rows of every tensor, in order (``offsets``/``nbytes``).
     Owner thread only.
     """
@@ -294,16 +353,27 @@ class EnginePages:
                 raise ConfigError(
                     f"{what} is not contiguous: pass a contiguous view (num_pages, page_size, ...)"
                 )
+            if t.shape[0] == 0:
+                raise ConfigError(f"{what} has 0 pages: device_kv must hold at least one page")
+            if t.numel() == 0:
+                raise ConfigError(
+                    f"{what} has shape {tuple(t.shape)}: a page of 0 bytes holds no KV; "
+                    "device_kv tensors are (num_pages, page_size, ...) with every dimension above 0"
+                )
         self.tensors: list[torch.Tensor] = tensors
         self.n_pages = int(first.shape[0])
         self.device = first.device
         # nbytes[i]: bytes of one page of tensors[i]; offsets[i]: where they sit in a host page.
-        self.nbytes = [int(t[0].numel() * t.element_size()) if self.n_pages else 0 for t in tensors]
+        self.nbytes = [int(t[0].numel() * t.element_size()) for t in tensors]
         self.offsets = [sum(self.nbytes[:i]) for i in range(len(tensors))]
         self.page_bytes = sum(self.nbytes)
-        # _held[p] is 1 while a live lifecycle holds page p.
-        # Invariant: self.used == sum(self._held)
+        # _held[p] is 1 while one live lifecycle holds page p for itself (a page it may copy).
+        # _shared[p]: how many live lifecycles hold page p as part of their stored prefix
+        #   (never copied: prefix caches share those pages); absent when none.
+        # Invariant: not any(self._held[p] for p in self._shared) and all(self._shared.values())
+        # Invariant: self.used == sum(self._held) + len(self._shared)
         self._held = bytearray(self.n_pages)
+        self._shared: dict[int, int] = {}
         self.used = 0
 
     @property
@@ -312,53 +382,94 @@ class EnginePages:
         return self.n_pages - self.used
 
     def is_allocated(self, page: int) -> bool:
-        """Whether a live lifecycle holds ``page``."""
-        return bool(self._held[page])
+        """Whether a live lifecycle holds ``page`` (for itself or in a stored prefix)."""
+        return bool(self._held[page]) or page in self._shared
 
-    def claim(self, pages: Any, n: int) -> list[int]:
-        """Record that a lifecycle holds ``pages``: exactly ``n`` page ids, each in range,
-        none named twice or held by another live lifecycle. Raises
-        :class:`~kvoffload.PageError` naming the problem, with nothing recorded."""
-        if isinstance(pages, (str, bytes)) or not hasattr(pages, "__len__"):
-            raise PageError(f"pages must be a sequence of page ids, got {type(pages).__name__}")
-        ids = list(pages)
+    def shared_count(self, page: int) -> int:
+        """How many live lifecycles hold ``page`` in their stored prefix (0: none)."""
+        return self._shared.get(page, 0)
+
+    def claim(self, pages: Any, n: int, shared: int = 0) -> list[int]:
+        """Record that a lifecycle holds ``pages``: exactly ``n`` page ids (an ordered
+        sequence, see :func:`page_ids`), each in range and none named twice. The first
+        ``shared`` of them are its stored prefix (never copied): they may also be in
+        other live lifecycles' stored prefixes (what a prefix cache shares), but not
+        held for itself by any. The others are pages it may copy: no other live
+        lifecycle may hold them, in any way. Raises :class:`~kvoffload.PageError`
+        naming the problem, with nothing recorded. Returns the ids as ints."""
+        if type(pages) is list and len(pages) == n == 1 and type(pages[0]) is int and not shared:
+            q = pages[0]  # the decode step's one new page: the hot path
+            if 0 <= q < self.n_pages and not self._held[q] and q not in self._shared:
+                self._held[q] = 1
+                self.used += 1
+                return [q]
+        ids = page_ids(pages)
         if len(ids) != n:
             raise PageError(f"these tokens start {n} new page(s); {len(ids)} page id(s) given: {ids[:8]}")
-        held = self._held
+        self.check_claim(ids, shared)
+        held, share = self._held, self._shared
+        for q in ids[:shared]:
+            k = share.get(q, 0)
+            share[q] = k + 1
+            self.used += not k
+        for q in ids[shared:]:
+            held[q] = 1
+        self.used += len(ids) - shared
+        return ids
+
+    def check_claim(self, ids: list[int], shared: int = 0) -> None:
+        """Raise :class:`~kvoffload.PageError` if :meth:`claim` would refuse the page
+        ids ``ids`` (ints, as :func:`page_ids` returns them); records nothing."""
+        held, share = self._held, self._shared
         seen: set[int] = set()
-        for p in ids:
-            if type(p) is not int and not (hasattr(p, "__index__") and not isinstance(p, bool)):
-                raise PageError(f"page id {p!r} is not an int")
-            q = p.__index__()
+        for i, q in enumerate(ids):
             if not 0 <= q < self.n_pages:
                 raise PageError(f"page id {q} is out of range: the engine's KV has {self.n_pages} pages")
             if q in seen:
                 raise PageError(f"page id {q} is named twice")
             if held[q]:
                 raise PageError(f"page id {q} is held by another live lifecycle")
+            if i >= shared and q in share:
+                raise PageError(
+                    f"page id {q} is held by another live lifecycle as a stored prefix page: only "
+                    "stored (never copied) prefix pages may be shared"
+                )
             seen.add(q)
-        out = [p.__index__() for p in ids]
-        for q in out:
-            held[q] = 1
-        self.used += len(out)
-        return out
 
     def free(self, pages: Iterable[int]) -> None:
-        """Forget ``pages`` (their lifecycle was RELEASED; the engine frees them). Raises
-        :class:`~kvoffload.PageError` (nothing changed) on one not held."""
+        """Forget ``pages`` (their lifecycle was RELEASED; the engine frees them): a page
+        of a stored prefix is forgotten when the last lifecycle that holds it lets go.
+        Raises :class:`~kvoffload.PageError` (nothing changed) on one not held."""
         pages = pages if type(pages) is list else list(pages)
-        held = self._held
-        for i, p in enumerate(pages):
-            if not 0 <= p < self.n_pages or not held[p]:
-                for q in pages[:i]:
-                    held[q] = 1
+        held, share = self._held, self._shared
+        own: list[int] = []
+        prefix: dict[int, int] = {}  # shared page -> holds this call lets go of
+        for p in pages:  # check everything first: nothing changes on a bad page
+            if 0 <= p < self.n_pages and held[p]:
+                own.append(p)
+            elif prefix.get(p, 0) < share.get(p, 0):
+                prefix[p] = prefix.get(p, 0) + 1
+            else:
                 raise PageError(f"device page {p} released but not held (twice?)")
+        if len(own) > 1 and len(set(own)) != len(own):
+            raise PageError(f"device pages {sorted(own)[:8]} released with one named twice")
+        for p in own:
             held[p] = 0
-        self.used -= len(pages)
+        gone = 0
+        for p, k in prefix.items():
+            left = share[p] - k
+            if left:
+                share[p] = left
+            else:
+                del share[p]
+                gone += 1
+        self.used -= len(own) + gone
 
     def check(self) -> None:
         """Assert the record's own invariant (used by ``check_invariants``)."""
-        assert self.used == sum(self._held), "engine page record out of sync"
+        assert self.used == sum(self._held) + len(self._shared), "engine page record out of sync"
+        assert all(self._shared.values()), "a stored prefix page held by no lifecycle"
+        assert not any(self._held[p] for p in self._shared), "a page both shared and held for one"
 
     def copy_pairs(self, host: HostPool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(source, destination) per KV tensor, row ``p`` one page: the tensor's page

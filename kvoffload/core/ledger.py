@@ -42,7 +42,11 @@ def check(mgr: OffloadCore) -> None:
         _check_rows(rows, expect)
     counts = [0, 0, 0, 0]
     dev_pages: set[int] = set()
-    dev_total = 0
+    # A stored prefix page may be held by several lifecycles (engine-owned mode: what a
+    # prefix cache shares); names: how many hold each page held by more than one.
+    sharing = hasattr(mgr.device_pool, "shared_count")
+    shared = getattr(mgr.device_pool, "shared_count", lambda p: 0)
+    names: dict[int, int] = {}
     inflight_sum = 0
     for lc in live:
         counts[lc._s] += 1
@@ -79,14 +83,22 @@ def check(mgr: OffloadCore) -> None:
         if lc._deferred_since is not None:
             expect(lc in mgr.deferred, lambda: f"{lc!r} is deferred but not queued")
         for p in lc.device_pages:
-            expect(p not in dev_pages, lambda: f"device page {p} held by two lifecycles")
+            if p in dev_pages:  # only a stored prefix page may be (engine-owned mode)
+                names[p] = names.get(p, 1) + 1
+                expect(shared(p) > 0, lambda: f"device page {p} held by two lifecycles")
             dev_pages.add(p)
             expect(
                 mgr.device_pool.is_allocated(p),
                 lambda: f"{lc!r} holds device page {p} that the pool thinks is free",
             )
-        dev_total += len(lc.device_pages)
         inflight_sum += lc.inflight
+    dev_total = len(dev_pages)
+    for p in dev_pages if sharing else ():  # each shared page: held by exactly its holders
+        k = shared(p)
+        expect(
+            k == 0 or k == names.get(p, 1),
+            lambda: f"device page {p} is shared by {k} lifecycles, {names.get(p, 1)} hold it",
+        )
     expect(counts == mgr.state_counts, lambda: f"state counts {mgr.state_counts} != registry {counts}")
     # Rule 2: device pages are held by live lifecycles only, exactly.
     expect(
@@ -111,6 +123,10 @@ def check(mgr: OffloadCore) -> None:
         expect(
             set(t.device_pages) <= set(t.lifecycle.device_pages),
             lambda: f"{t!r} reads device pages its lifecycle does not hold",
+        )
+        expect(
+            not sharing or not any(shared(p) for p in t.device_pages),
+            lambda: f"{t!r} reads a stored prefix page (shared, never copied)",
         )
         host_inflight += len(t.host_pages)
     expect(

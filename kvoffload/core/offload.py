@@ -21,7 +21,7 @@ import time
 from _thread import get_ident
 from array import array
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MappingView, Sequence, Set
 from typing import TYPE_CHECKING, Any, cast
 
 from kvoffload.abc import Completion, Transfer, WriteJob
@@ -34,6 +34,7 @@ from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_digests, vali
 from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, STATES, Lifecycle, LifecycleHost, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, EVENT_NAMES, TABLE
+from kvoffload.pools import page_ids
 
 if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, EnginePages, HostPool
@@ -60,6 +61,42 @@ ROWS_MIN = 48
 _SUBMIT_DEST = tuple(row[_SUBMIT][2] for row in TABLE)
 #: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
+#: The types of extend_batch's page entries that the fast paths read as they are.
+_PLAIN_ENTRIES = frozenset((type(None), list, tuple))
+
+
+def _no_pages(given: Any) -> bool:
+    """Whether ``pages=`` says "no pages": None or an empty sequence (owned mode takes
+    nothing else; engine-owned mode, exactly the new pages)."""
+    if given is None:
+        return True
+    if isinstance(given, (str, bytes)):
+        return False
+    try:
+        return len(given) == 0
+    except TypeError:
+        return False
+
+
+def _ordered(items: Any, what: str, error: type[KVOffloadError]) -> Sequence[Any]:
+    """``items``, an ordered sequence with one entry per lifecycle of extend_batch, as a
+    list or tuple (a numpy array or torch tensor through ``tolist()``); ``error`` for an
+    unordered collection or something that is no sequence."""
+    if isinstance(items, (Set, Mapping, MappingView)):
+        raise error(
+            f"extend_batch: {what} must be an ordered sequence (one entry per lifecycle, in order), "
+            f"not a {type(items).__name__}"
+        )
+    if getattr(items, "dtype", None) is not None and hasattr(items, "tolist"):
+        if not getattr(items, "ndim", 0):
+            raise error(f"extend_batch: {what} must be a sequence with one entry per lifecycle, got a scalar")
+        return cast("list[Any]", items.tolist())
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__len__") or not hasattr(items, "__getitem__"):
+        raise error(
+            f"extend_batch: {what} must be a sequence with one entry per lifecycle, "
+            f"not {type(items).__name__}"
+        )
+    return list(items)
 
 
 class _Burst:
@@ -195,11 +232,14 @@ class OffloadCore:
         the prompt's unstored whole pages go out at once).
 
         ``rid`` is a label: it may equal a live lifecycle's rid (a reused request id);
-        the two never share state. Owned mode allocates the prompt's device pages;
-        engine-owned mode takes ``pages``, the engine's ids of exactly the pages the
-        prompt fills. ``stored``: leading prompt tokens the storage tier already has
-        (page-aligned; default the page-aligned prompt, or 0 with ``offload_prompt``):
-        they are never copied and the chain continues from their key. Raises
+        the two never share state. Owned mode allocates the prompt's device pages
+        (``pages`` None or empty); engine-owned mode takes ``pages``, the engine's ids
+        of exactly the pages the prompt fills, in token order
+        (:func:`~kvoffload.pools.page_ids`). ``stored``: leading prompt tokens the
+        storage tier already has (page-aligned; default the page-aligned prompt, or 0
+        with ``offload_prompt``): they are never copied and the chain continues from
+        their key; their pages may also be in other live lifecycles' stored prefixes
+        (a prefix cache shares them), the pages after them are this lifecycle's own. Raises
         :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PoolExhausted`,
         :class:`~kvoffload.PageError`, or the mover's error when it refuses the prompt
         chunk, with nothing changed.
@@ -219,7 +259,7 @@ class OffloadCore:
                 f"stored={stored!r} must be a whole number of pages (a multiple of page_size {ps}) "
                 f"between 0 and the prompt's {n} tokens"
             )
-        dev = self._take_pages(-(-n // ps), pages)
+        dev = self._take_pages(-(-n // ps), pages, stored // ps)
         lc = Lifecycle(self, LifecycleId(self._next_id), rid, self.clock(), self.owner)
         lc.tag = tag
         lc.device_pages = dev
@@ -255,10 +295,11 @@ class OffloadCore:
                 raise
         return lc
 
-    def _take_pages(self, n: int, given: Any) -> list[int]:
+    def _take_pages(self, n: int, given: Any, shared: int = 0) -> list[int]:
         """Device pages for ``n`` new pages: allocated from kvoffload's own pool (owned
-        mode), or the engine's ids ``given`` claimed (engine-owned mode). Raises with
-        nothing taken."""
+        mode; ``given`` must be None or empty), or the engine's ids ``given`` claimed
+        (engine-owned mode; the first ``shared`` are a stored prefix, which other live
+        lifecycles' stored prefixes may share). Raises with nothing taken."""
         if self.config.device_pages is None:
             if given is None:
                 if n == 0:
@@ -267,8 +308,8 @@ class OffloadCore:
                     f"engine-owned mode (device_pages=None): these tokens start {n} new page(s); "
                     "pass the engine's page ids with pages="
                 )
-            return cast("EnginePages", self.device_pool).claim(given, n)
-        if given is not None:
+            return cast("EnginePages", self.device_pool).claim(given, n, shared)
+        if not _no_pages(given):
             raise KVOffloadError(
                 "pages= hands over engine pages, but this manager owns its device pool "
                 "(device_pages is set): leave pages out, or use device_pages=None"
@@ -345,7 +386,7 @@ class OffloadCore:
         ps = self.config.page_size
         held = len(lc.device_pages)
         need = max(0, -(-committed // ps) - held)
-        if need or pages:
+        if need or pages is not None:  # pages=[] (or None) is "no pages" in both modes
             lc.device_pages += self._take_pages(need, pages)
             lc._cap = len(lc.device_pages) * ps
         lc._committed = committed
@@ -382,7 +423,20 @@ class OffloadCore:
         of another manager or in a state that refuses extend, a bad token, a wrong or
         taken page id, not enough free device pages for the whole batch - raises before
         anything changes. A mover that refuses a chunk raises at that lifecycle, the ones
-        before it extended (as the sequential calls would)."""
+        before it extended (as the sequential calls would).
+
+        Accepted: ``lifecycles``, ``tokens`` and ``pages`` as lists or tuples (``tokens``
+        and ``pages`` also as numpy arrays or torch tensors: one row per lifecycle);
+        ``tokens[i]`` an int (a numpy or torch integer scalar too) or a sequence of ids
+        as :meth:`Lifecycle.extend` takes them; ``pages[i]`` None, or the page ids as
+        :func:`kvoffload.pools.page_ids` takes them. Every batch size takes exactly the
+        same inputs. Owned mode: ``pages`` None, or every entry None or empty."""
+        if type(lifecycles) is not list and type(lifecycles) is not tuple:
+            lifecycles = _ordered(lifecycles, "lifecycles", KVOffloadError)
+        if type(tokens) is not list and type(tokens) is not tuple:
+            tokens = _ordered(tokens, "tokens", InvalidTokens)
+        if pages is not None:
+            pages = self._page_entries(pages)
         n = len(lifecycles)
         if len(tokens) != n or (pages is not None and len(pages) != n):
             raise KVOffloadError(
@@ -403,6 +457,30 @@ class OffloadCore:
         if ready is None and not self.observed and self._extend_quiet(lifecycles, tokens, pages):
             return
         self._extend_checked(lifecycles, tokens, pages, ready)
+
+    def _page_entries(self, pages: Any) -> Sequence[Any] | None:
+        """extend_batch's ``pages`` as the fast paths read them: a list or tuple whose
+        entries are None, lists or tuples (anything else converted by
+        :func:`~kvoffload.pools.page_ids`); None in owned mode, where every entry must
+        be None or empty. Raises :class:`~kvoffload.PageError` (or, owned mode,
+        :class:`~kvoffload.KVOffloadError`) before anything changes. One type check
+        per call when the entries are already plain."""
+        if type(pages) is not list and type(pages) is not tuple:
+            pages = _ordered(pages, "pages", PageError)
+        if self.config.device_pages is not None:
+            for i, given in enumerate(pages):
+                if not _no_pages(given):
+                    raise KVOffloadError(
+                        f"extend_batch: pages[{i}] hands over engine pages, but this manager owns its "
+                        "device pool (device_pages is set): leave pages out, or pass None or [] entries"
+                    )
+            return None
+        if set(map(type, pages)) <= _PLAIN_ENTRIES:
+            return cast("Sequence[Any]", pages)
+        return [
+            given if given is None or type(given) is list else page_ids(given, f"pages[{i}]")
+            for i, given in enumerate(pages)
+        ]
 
     def _extend_quiet(self, lifecycles: Sequence[Lifecycle], tokens: Sequence[Any], pages: Any) -> bool:
         """The common decode step in one pass: every entry one narrow token id for a
@@ -446,8 +524,8 @@ class OffloadCore:
                 lc._tail.append(t)
                 lc._committed = c
                 done += 1
-        except KVOffloadError:
-            pass  # an engine page id was refused: undo, and let the checked path raise
+        except (KVOffloadError, AttributeError, TypeError, ValueError):
+            pass  # an engine page id was refused, an entry is no lifecycle: undo, the checked path raises
         else:
             if done == len(lifecycles):
                 return self._submit_due(lifecycles, due, paged)
@@ -510,12 +588,16 @@ class OffloadCore:
         new_pages = 0
         claimed: set[int] = set()
         arrays: list[array[int]] = []  # each entry's tokens, checked
+        given_ids: list[list[int] | None] = []  # each entry's page ids, checked (engine-owned)
         for i in range(n):
             lc, t = lifecycles[i], tokens[i]
+            if not isinstance(lc, Lifecycle):
+                raise KVOffloadError(f"extend_batch: lifecycles[{i}] is {lc!r:.60}, not a Lifecycle")
             if lc._core is not self:
-                raise KVOffloadError(f"extend_batch: {lc!r} belongs to another manager")
+                raise KVOffloadError(f"extend_batch: lifecycles[{i}] {lc!r} belongs to another manager")
             self._check(lc, _EXTEND)
-            toks = validate_tokens([t] if type(t) is int else t, f"tokens[{i}]")
+            scalar = type(t) is int or (hasattr(t, "__index__") and not getattr(t, "ndim", 0))
+            toks = validate_tokens([t] if scalar else t, f"tokens[{i}]")
             arrays.append(toks)
             k = len(toks)
             before = grown.get(lc.id, lc._committed)
@@ -524,12 +606,13 @@ class OffloadCore:
             new_pages += need
             if engine:
                 given = pages[i] if pages is not None else None
-                if given is None and need:
+                ids = None if given is None else page_ids(given, f"pages[{i}]")
+                given_ids.append(ids)
+                if ids is None and need:
                     raise PageError(
                         f"extend_batch: {lc!r} entry {i} starts {need} new page(s); pass them in pages"
                     )
-                if given is not None:
-                    ids = list(given)
+                if ids is not None:
                     if len(ids) != need:
                         raise PageError(
                             f"extend_batch: entry {i} starts {need} new page(s); {len(ids)} given"
@@ -538,18 +621,15 @@ class OffloadCore:
                         if p in claimed:
                             raise PageError(f"extend_batch: page id {p} is named twice in the batch")
                         claimed.add(p)
-            elif pages is not None and pages[i]:
-                raise KVOffloadError("pages= hands over engine pages, but this manager owns its device pool")
-        pool = cast("EnginePages", self.device_pool)
-        if engine and claimed:
-            for p in claimed:  # range and held, checked before anything is claimed
-                if type(p) is not int or not 0 <= p < pool.n_pages or pool.is_allocated(p):
-                    pool.claim([p], 1)  # raises the precise PageError; nothing claimed
+            else:  # owned mode: _page_entries left no pages
+                given_ids.append(None)
+        if engine and claimed:  # range and held, checked before anything is claimed
+            cast("EnginePages", self.device_pool).check_claim(list(claimed))
         elif not engine and new_pages > self.device_pool.free_pages:
             raise PoolExhausted("device", new_pages, self.device_pool.free_pages)
         # Apply, each entry exactly as its own extend.
         for i in range(n):
-            self._extend_valid(lifecycles[i], arrays[i], pages[i] if pages is not None else None, ready)
+            self._extend_valid(lifecycles[i], arrays[i], given_ids[i], ready)
 
     def _requiet(self, lc: Lifecycle) -> None:
         """Recompute ``lc._quiet``, the fast path's one comparison (see Lifecycle). No

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvoffload.errors import PageError
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, Lifecycle
+from kvoffload.pools import page_ids
 
 if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["DecodeRows"]
 
 _ROW = attrgetter("_row")
+_BOOL_DTYPES = ("bool", "torch.bool")
 #: Steps a row may go without a sync at most (its ring is this wide, or the stride).
 _MAX_WIDTH = 256
 
@@ -54,8 +57,9 @@ def token_column(tokens: Any) -> np.ndarray | None:
     col = np.frombuffer(ids, dtype=np.uint32)
     if len(col) and col.min() <= 1:  # a bool converts to 0 or 1: look only there
         for i in np.flatnonzero(col <= 1).tolist():
-            if type(tokens[i]) is not int:
-                return None
+            t = tokens[i]
+            if type(t) is not int and (type(t) is bool or str(getattr(t, "dtype", "")) in _BOOL_DTYPES):
+                return None  # (a numpy or torch integer 0 or 1 is a token id, as everywhere)
     return col
 
 
@@ -246,7 +250,12 @@ class DecodeRows:
             if isinstance(given, (str, bytes)) or not hasattr(given, "__len__") or len(given) != 1:
                 return None
             q = given[0]
-            if type(q) is not int or not 0 <= q < pool_e.n_pages or pool_e.is_allocated(q):
+            if type(q) is not int:  # a numpy or torch integer id: as every other path reads it
+                try:
+                    (q,) = page_ids(given)
+                except PageError:
+                    return None
+            if not 0 <= q < pool_e.n_pages or pool_e.is_allocated(q):
                 return None
             ids.append(q)
         if len(set(ids)) != k:

@@ -233,8 +233,12 @@ class Lifecycle:
 
         Legal in PENDING and OFFLOADING. Owned mode: allocates device pages for the new
         tokens first (a full device pool raises :class:`~kvoffload.PoolExhausted` and
-        changes nothing). Engine-owned mode: ``pages`` are the engine's ids of exactly
-        the new pages these tokens start. ``ready`` is what the copy must wait for on a
+        changes nothing; ``pages`` must be None or empty). Engine-owned mode: ``pages``
+        are the engine's ids of exactly the new pages these tokens start, in token order
+        (None or ``[]`` when none; a set is refused: see
+        :func:`kvoffload.pools.page_ids`). Every path of this call - its fast paths, the
+        full one, with or without a listener - accepts and refuses the same input, with
+        nothing changed on refusal. ``ready`` is what the copy must wait for on a
         GPU. Never blocks: a full host pool drops (or defers) the chunk. A chunk made
         due here is submitted at once, but no copy reads a page before control returns
         to the driver (F19).
@@ -247,7 +251,9 @@ class Lifecycle:
         # One comparison decides it: _quiet is due - 1 in a state where extend is a
         # self-loop with a narrow tail, else -1. A uint64 tail takes the full path
         # (array("Q") would take ids >= 2**63), and so does a bool (array("I") takes it).
-        if type(tokens) is list and not pages and ready is None:
+        # pages: only None or [] ("no pages", as on the full path); anything else - a numpy
+        # array whose truth value says nothing of its length included - takes the full path.
+        if type(tokens) is list and (pages is None or (type(pages) is list and not pages)) and ready is None:
             if len(tokens) == 1:  # one decode step of one token: the hottest path
                 t = tokens[0]
                 committed = self._committed + 1
