@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,42 @@ def test_reused_ids_get_late_completions_delivered_to_their_own_lifecycle(
     assert report["requests"]["reused_ids"] > 0
     assert report["deliveries"]["late_while_id_reused"] > 0
     assert report["deliveries"]["mismatched"] == 0
+
+
+#: What describes a run's schedule in its report: everything but wall-clock figures.
+_SCHEDULE = ("requests", "pages", "deliveries", "ledger")
+
+
+def _schedule(report: dict[str, Any]) -> dict[str, Any]:
+    stats = {k: v for k, v in report["statistics"].items() if k != "stuck_reports"}  # the watchdog's clock
+    steps = report["throughput"]["decode_steps"]
+    return {**{k: report[k] for k in _SCHEDULE}, "steps": steps, "stats": stats}
+
+
+def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F39: with the sim backend the run is driven, not timed: arrivals and copy delays
+    count decode steps, and each step waits until the manager took the completions the
+    loop played. A machine that needs 2 ms more for every step (a busy one) runs the
+    same schedule, figure for figure, with its late completions during id reuse."""
+    from kvoffload.scheduler import DecodeScheduler
+
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "fast.json")], capsys)
+    assert code == 0, out
+    fast = json.loads((tmp_path / "fast.json").read_text())
+    step = DecodeScheduler._decode_step
+
+    def slow_step(self: DecodeScheduler, tg: Any) -> None:
+        time.sleep(0.002)  # a slow forward pass, on purpose: the schedule must not see it
+        step(self, tg)
+
+    monkeypatch.setattr(DecodeScheduler, "_decode_step", slow_step)
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "slow.json")], capsys)
+    assert code == 0, out
+    slow = json.loads((tmp_path / "slow.json").read_text())
+    assert slow["requests"]["reused_ids"] > 0 and slow["deliveries"]["late_while_id_reused"] > 0
+    assert _schedule(slow) == _schedule(fast)
 
 
 class SwapsSharedIdsInABatch(OffloadCore):
