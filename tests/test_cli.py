@@ -4,6 +4,7 @@ decides the exit code, bad options exit 2 with a message, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -212,6 +213,12 @@ def test_auto_backend_is_the_managers_auto() -> None:
         (["simulate", "--reuse", "1.5"], "between 0 and 1"),
         (["simulate", "--step-ms", "-1"], ">= 0"),
         (["simulate", "--arrival-rate", "0"], "arrival_rate must be > 0"),
+        (["simulate", "--tp", "1000000"], "at most"),  # not a million processes
+        (["simulate", "--requests", "1000000000"], "at most 1,000,000"),
+        (["simulate", "--prompt-mean", "1000000000", "--device-pages", "100000000"], "at most 1,000,000"),
+        (["simulate", "--output-mean", "1000000000"], "at most 1,000,000"),
+        (["simulate", "--step-ms", "1e300"], "at most 10,000"),  # a run that never ends
+        (["simulate", "--copy-delay-ms", "1e300"], "at most 60,000"),
         (["simulate", "--page-size", "16", "--stride", "24"], "multiple of page_size"),
         (["simulate", "--backend", "quantum"], "not available"),
         pytest.param(
@@ -233,6 +240,17 @@ def test_bad_options_exit_2_with_a_clear_message(
     code, _, err = run(argv, capsys)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_tp_is_bounded_by_the_machines_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp starts one process per rank: more than 4 a CPU core (64 at most) is refused
+    with the bound and the reason, exit 2, before anything starts."""
+    from kvoffload.cli import max_tp
+
+    bound = max_tp()
+    assert bound == min(64, 4 * (os.cpu_count() or 1))
+    code, _, err = run(["simulate", "--tp", str(bound + 1)], capsys)
+    assert code == 2 and f"at most {bound}" in err and "CPU core" in err
 
 
 def test_the_installed_command_reports_bad_options_without_a_traceback() -> None:
