@@ -17,7 +17,7 @@ Structlog is set to INFO here (the library's debug events are then never built).
    the same bytes into per-tensor host buffers, trials interleaved; target >= 70%; the
    scattered-pages gather's GB/s beside raw per-tensor gathers.
 
-Usage: ``python benchmarks/bench_copy.py [--quick]``
+Usage: ``python benchmarks/bench_copy.py [--quick]``; exits 1 when a target is MISSED.
 """
 
 from __future__ import annotations
@@ -251,25 +251,36 @@ async def engine_throughput(layers: int, chunk_pages: int, trials: int) -> dict[
     return out
 
 
-def report_engine(tp: dict[str, float]) -> None:
+#: The targets (docstring): copy throughput, completion latency, engine-owned copy.
+TARGET_CONTIGUOUS, TARGET_LATENCY_US, TARGET_ENGINE = 0.8, 200.0, 0.7
+
+
+def _verdict(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def report_engine(tp: dict[str, float]) -> bool:
+    """Print the engine-owned figures; True when the target was met."""
     print(f"== cpu backend, engine-owned device_kv ({tp['tensors']:.0f} per-layer tensors)")
     print(
         f"  copy of {tp['bytes'] / 2**20:.0f} MiB; GB/s: median of trials; ratios: median of per-trial ratios"
     )
     print(f"    raw: one copy_ per tensor per 32-page chunk    {tp['raw']:7.2f} GB/s")
     a = tp["contiguous/raw"]
-    ok = "ok" if a >= 0.7 else "MISSED"
+    met = a >= TARGET_ENGINE
     print(f"    backend, contiguous pages                    {tp['contiguous']:7.2f} GB/s = {a:6.1%} of raw")
-    print("    (target: >= 70% of raw: " + ok + ")")
+    print(f"    (target: >= {TARGET_ENGINE:.0%} of raw: {_verdict(met)})")
     print(f"    raw: one index_select per tensor per chunk    {tp['raw_gather']:7.2f} GB/s")
     b = tp["scattered/raw_gather"]
     print(
         f"    backend, scattered device pages (gather)     {tp['scattered']:7.2f} GB/s "
         f"= {b:6.1%} of raw gathers"
     )
+    return met
 
 
-def report(name: str, tp: dict[str, float], lat: dict[str, Any], raw_name: str) -> None:
+def report(name: str, tp: dict[str, float], lat: dict[str, Any], raw_name: str) -> bool:
+    """Print one backend's figures, each target with its verdict; True when all were met."""
     print(f"== {name} backend")
     print(
         f"  copy of {tp['bytes'] / 2**20:.0f} MiB; GB/s: median of trials; ratios: median of per-trial ratios"
@@ -279,18 +290,25 @@ def report(name: str, tp: dict[str, float], lat: dict[str, Any], raw_name: str) 
     for k, label in (("contiguous", "contiguous pages"), ("scattered", "scattered device pages")):
         a, b = tp[f"{k}/raw"], tp[f"{k}/raw_chunks"]
         print(f"    backend, {label:<24} {tp[k]:7.2f} GB/s = {a:6.1%} of raw, {b:6.1%} of raw chunks")
-    print("    (target: contiguous >= 80% of raw)")
+    met = tp["contiguous/raw"] >= TARGET_CONTIGUOUS
+    print(f"    (target: contiguous >= {TARGET_CONTIGUOUS:.0%} of raw: {_verdict(met)})")
     for mode in ("paced", "steps"):
         med, p99, n = lat[mode]
-        print(f"  copy end -> chunk_done, {mode:<5} ({n} chunks): median {med:7.1f} µs, p99 {p99:7.1f} µs")
-    print("    (target: median under 200 µs)")
+        fast = med < TARGET_LATENCY_US
+        met = met and fast
+        print(
+            f"  copy end -> chunk_done, {mode:<5} ({n} chunks): median {med:7.1f} µs, p99 {p99:7.1f} µs"
+            f"   (target: median under {TARGET_LATENCY_US:.0f} µs: {_verdict(fast)})"
+        )
     print(
         f"  event-loop CPU per completed chunk: {lat['loop_cpu_us']:.1f} µs "
-        f"({lat['chunks']} chunks, {lat['wakeups']} loop wake-ups; submit + delivery + transitions)"
+        f"({lat['chunks']} chunks, {lat['wakeups']} loop wake-ups; submit, delivery, transitions; no target)"
     )
+    return met
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool) -> int:
+    """Run every measurement; 0 when every target was met, 1 when one was MISSED."""
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
     trials = 3 if quick else 7
     n_chunks = 500 if quick else 3000
@@ -303,19 +321,21 @@ async def main(quick: bool) -> None:
     print(f"page = {config.page_size} tokens x {config.kv_shape} {config.dtype}; chunks of 32 pages")
     tp = await throughput(CpuBackend, config, 32, trials)
     lat = await latency_and_loop_cpu(CpuBackend, n_chunks)
-    report("cpu", tp, lat, "torch copy_ of the pool, one block")
-    report_engine(await engine_throughput(32, 32, trials))
+    met = report("cpu", tp, lat, "torch copy_ of the pool, one block")
+    met = report_engine(await engine_throughput(32, 32, trials)) and met
     if torch.cuda.is_available():
         from kvoffload.backends.cuda import CudaBackend
 
         tp = await throughput(CudaBackend, config, 32, trials)
         lat = await latency_and_loop_cpu(CudaBackend, n_chunks)
-        report("cuda", tp, lat, "pinned device->host copy_, one block")
+        met = report("cuda", tp, lat, "pinned device->host copy_, one block") and met
     else:
         print("== cuda backend: skipped (no CUDA GPU: torch.cuda.is_available() is False)")
+    print(f"targets: {'all ok' if met else 'some MISSED'}")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer trials and chunks")
-    asyncio.run(main(ap.parse_args().quick))
+    sys.exit(asyncio.run(main(ap.parse_args().quick)))

@@ -177,7 +177,7 @@ def main(polls: int = 300) -> None:
             mine, worst = res[0][key], max(r[key] for r in res)
             own, own_max = res[0][key + "_own"], max(r[key + "_own"] for r in res)
             cpu = max(r[key + "_cpu"] for r in res)
-            verdict = "met" if worst <= TARGET_US else "NOT met"
+            verdict = "ok" if worst <= TARGET_US else "MISSED"
             gloo, gloo_max = mine - own, max(r[key] - r[key + "_own"] for r in res)
             print(
                 f"{size:>5}  {label:<21}{mine:>8.1f} [{worst:>6.1f}]{gloo:>9.1f} [{gloo_max:>6.1f}]"

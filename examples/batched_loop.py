@@ -48,6 +48,11 @@ def main(requests: int = REQUESTS, running: int = RUNNING, seed: int = 0) -> int
         host_pages=512,
         offload_prompt=True,
         on_host_full="wait",
+        # Every page must be stored: a chunk waits until the store's writes give host
+        # pages back, however slow the disk or the machine. The bound only turns a
+        # store that never answers into drops (the default, 1 s, drops pages when a
+        # busy store takes 30 ms a write: FAILURES F39).
+        host_wait_s=600.0,
     )
     with (
         tempfile.TemporaryDirectory() as store,

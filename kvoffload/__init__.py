@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# First: the kvoffload command (only it) stops quietly on INT/TERM from here on (F27).
+import kvoffload._early_stop  # noqa: F401
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.stats import Statistics

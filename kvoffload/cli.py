@@ -12,7 +12,10 @@ same lifecycles in the same steps. ``graph`` draws the lifecycle from its declar
 Exit codes: 0 ok; 1 an invariant failed (or a completion did not carry the keys or
 KV bytes that the lifecycle it reached committed, or tensor-parallel ranks disagreed
 or crashed); 2 bad options, or a workload that could never run (a request that can
-never fit the device pool); 3 a missing optional dependency; 130 / 143 stopped by
+never fit the device pool, or a count or duration past its bound: see
+:data:`MAX_REQUESTS`, :data:`MAX_TOKENS`, :data:`MAX_STEP_MS`,
+:data:`MAX_COPY_DELAY_MS` and :func:`max_tp`; pool sizes are bounded by the
+machine's RAM); 3 a missing optional dependency; 130 / 143 stopped by
 SIGINT / SIGTERM (FAILURES F27): the run stops promptly (with --tp, its rank
 processes too), removes its temporary store, prints one line and no traceback.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -29,7 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["MAX_COPY_DELAY_MS", "MAX_REQUESTS", "MAX_STEP_MS", "MAX_TOKENS", "main", "max_tp"]
 
 EXIT_OK, EXIT_INVARIANT, EXIT_USAGE, EXIT_MISSING = 0, 1, 2, 3
 #: The signals that stop a run; each exits 128 + its number (130, 143).
@@ -65,6 +69,37 @@ _positive_int = _checked(int, lambda v: v > 0, "a positive integer")
 _share = _checked(float, lambda v: 0.0 <= v <= 1.0, "a share between 0 and 1")
 _nonneg = _checked(float, lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
 
+# Bounds of the counts and durations: a typo (--tp 1000000, --requests 1e9) is refused
+# with the bound (exit 2) instead of spawning a million processes, planning a billion
+# requests or running for ever. Pool sizes are bounded by the machine's RAM (OffloadConfig).
+#: --requests: the plan is built in memory, one record a request.
+MAX_REQUESTS = 1_000_000
+#: --prompt-mean and --output-mean, in tokens (a prompt is a list in memory; its
+#: length is drawn up to 4 times the mean).
+MAX_TOKENS = 1_000_000
+#: --step-ms: one decode step's sleep.
+MAX_STEP_MS = 10_000.0
+#: --copy-delay-ms: the sim copy engine's mean delay.
+MAX_COPY_DELAY_MS = 60_000.0
+#: The most ranks --tp may start, whatever the machine.
+_MAX_TP_CAP = 64
+
+
+def max_tp() -> int:
+    """The most ranks ``--tp`` may start here: 4 a CPU core (``os.cpu_count()``), at
+    most 64. Each rank is a process of its own that imports torch."""
+    return min(_MAX_TP_CAP, 4 * (os.cpu_count() or 1))
+
+
+def _count(maximum: int, what: str = "") -> Callable[[str], Any]:
+    """A positive integer of at most ``maximum`` (``what``: why the bound)."""
+    why = f" ({what})" if what else ""
+    return _checked(int, lambda v: 0 < v <= maximum, f"a positive integer at most {maximum:,}{why}")
+
+
+def _duration(maximum: float) -> Callable[[str], Any]:
+    return _checked(float, lambda v: 0.0 <= v <= maximum, f"a number of ms >= 0 and at most {maximum:,.0f}")
+
 
 def _parser() -> argparse.ArgumentParser:
     from kvoffload.graph import FORMATS
@@ -80,15 +115,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     w = s.add_argument_group("workload")
-    w.add_argument("--requests", type=_positive_int, default=d.requests, help="requests (%(default)s)")
+    w.add_argument("--requests", type=_count(MAX_REQUESTS), default=d.requests, help="requests (%(default)s)")
     w.add_argument("--arrival-rate", type=_nonneg, default=d.arrival_rate, help="arrivals/s (%(default)s)")
-    w.add_argument("--prompt-mean", type=_positive_int, default=d.prompt_mean, help="mean prompt tokens")
-    w.add_argument("--output-mean", type=_positive_int, default=d.output_mean, help="mean output tokens")
+    w.add_argument("--prompt-mean", type=_count(MAX_TOKENS), default=d.prompt_mean, help="mean prompt tokens")
+    w.add_argument("--output-mean", type=_count(MAX_TOKENS), default=d.output_mean, help="mean output tokens")
     w.add_argument("--reuse", type=_share, default=d.reuse, help="share reusing a finishing request's id")
     w.add_argument("--abort", type=_share, default=d.abort, help="share of requests aborted")
     w.add_argument("--fail", type=_share, default=d.fail, help="share of copies that fail (injected)")
-    w.add_argument("--step-ms", type=_nonneg, default=d.step_ms, help="decode step duration (%(default)s)")
-    w.add_argument("--copy-delay-ms", type=_nonneg, default=d.copy_delay_ms, help="sim: mean copy latency")
+    w.add_argument("--step-ms", type=_duration(MAX_STEP_MS), default=d.step_ms, help="decode step duration")
+    delay = _duration(MAX_COPY_DELAY_MS)
+    w.add_argument("--copy-delay-ms", type=delay, default=d.copy_delay_ms, help="sim: mean copy latency")
     w.add_argument("--seed", type=int, default=d.seed, help="seed (%(default)s)")
     c = s.add_argument_group("offload")
     c.add_argument("--page-size", type=_positive_int, default=16, help="tokens per page (%(default)s)")
@@ -99,12 +135,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--on-host-full", choices=("drop", "wait"), default="drop")
     c.add_argument("--stuck-after-ms", type=_nonneg, default=500.0, help="watchdog deadline")
     c.add_argument("--backend", default="auto", help="auto (cuda with a GPU, else cpu), cpu, cuda, sim")
+    tp_bound = max_tp()
+    why = f"4 a CPU core: {os.cpu_count() or 1} here, 64 at most; each rank is a process"
     c.add_argument(
         "--tp",
-        type=_positive_int,
+        type=_count(tp_bound, why),
         default=1,
         metavar="N",
-        help="run N local tensor-parallel ranks (gloo), check they agree (%(default)s: no group)",
+        help=f"run N local tensor-parallel ranks (gloo, at most {tp_bound}), check they agree (1: no group)",
     )
     c.add_argument(
         "--tp-keys",

@@ -12,9 +12,18 @@ behind ``kvoffload simulate``. One iteration is one decode step of the running b
    returns (a small task per request, as an engine's detokenizer/cleanup would);
 4. ``await`` the forward pass (``step_ms``), during which completions are delivered.
 
+The plan's clock is the step count, never the machine's (FAILURES F39): step ``n``
+is at ``n * step_ms`` of the plan (1 ms a step when ``step_ms`` is 0), so requests
+arrive, and the sim copy engine's delays run out, at the same steps on a fast machine
+and on a busy one. A slow machine makes a run longer, never a different run.
+
 With the ``sim`` backend nothing completes by itself, so the loop also plays the copy
-engine: it completes each pending transfer after a random delay. Everything else —
-which lifecycle a completion reaches, when pages return — is the library's job.
+engine: it completes each pending transfer after a seeded random number of steps, and
+before the next step waits until the manager took every completion it played and
+finished every storage write queued (``settle()``). The run is then a function of
+the seed: the same requests reuse the same finishing ids, the same completions arrive
+late while their id is reused, in the same delivery batches. Everything else — which
+lifecycle a completion reaches, when pages return — is the library's job.
 
 Given an :class:`~kvoffload.delivery_check.EngineRecord` (``engine=``), the loop also tells
 it every token it committed and writes their KV into the device pool before it yields,
@@ -72,8 +81,9 @@ class _Running:
 
 class DecodeScheduler:
     """Play ``requests`` against ``mgr``: admit, extend per step, finish, abort, wait.
-    ``run()`` drives an :class:`~kvoffload.OffloadManager` on wall time;
-    :mod:`kvoffload.simulate_tp` steps the same decisions on a synchronous manager.
+    ``run()`` drives an :class:`~kvoffload.OffloadManager` on the plan's clock (the
+    step count, see the module doc); :mod:`kvoffload.simulate_tp` steps the same
+    decisions on a synchronous manager.
 
     ``on_release(n)`` is called each time ``n`` more requests were released (progress).
     ``check_every`` steps, ``mgr.check_invariants()`` runs (0: only at the end).
@@ -102,8 +112,13 @@ class DecodeScheduler:
         self._running: list[_Running] = []
         self._finishing: dict[Any, Lifecycle] = {}  # rid -> a lifecycle still FINISHING
         self._rng = random.Random(spec.seed ^ 0xC0FFEE)
-        self._due: dict[int, float] = {}  # sim: transfer id -> when it completes
+        self._due: dict[int, float] = {}  # sim: transfer id -> when it completes (plan seconds)
         self._sim: Any = None
+        # pace: plan seconds per step (step_ms; 1 ms when step_ms is 0, so arrivals come).
+        self.pace = (spec.step_ms or 1.0) / 1000
+        # _now: the plan's clock, in seconds; advanced by pace once per step, by run() only.
+        # Invariant: self._now == (steps run so far, tail steps included) * self.pace
+        self._now = 0.0
 
     async def run(self) -> SchedulerResult:
         """Run every request to RELEASED; return what the loop saw."""
@@ -111,17 +126,18 @@ class DecodeScheduler:
 
         backend = getattr(self.mgr.backend, "inner", self.mgr.backend)
         self._sim = backend if isinstance(backend, SimBackend) else None
+        mgr = self.mgr
+        assert isinstance(mgr, OffloadManager), "the asyncio loop needs an OffloadManager"
         step_s = self.spec.step_ms / 1000
         start = time.monotonic()
         try:
             async with anyio.create_task_group() as tg:
                 while self._arrivals or self._queue or self._running:
-                    now = time.monotonic() - start
                     # As an engine's loop: the step's results first (extend, finish,
                     # abort), then scheduling - so an arrival can reuse the id of a
                     # request that has just finished and whose copies are still running.
                     self._decode_step(tg)
-                    self._admit_arrivals(now)
+                    self._admit_arrivals(self._now)
                     if self.engine is not None:  # the step's KV, before any copy may read it
                         self.engine.write_kv()
                     self._play_copy_engine()
@@ -129,21 +145,32 @@ class DecodeScheduler:
                     if self.check_every and self.result.steps % self.check_every == 0:
                         self.mgr.check_invariants()
                         self.result.invariant_checks += 1
-                    await anyio.sleep(step_s)  # the forward pass; completions arrive meanwhile
+                    await self._forward_pass(mgr, step_s)
                 while self._sim is not None and self._sim.pending:  # the last copies
                     self._play_copy_engine()
-                    await anyio.sleep(step_s)
+                    await self._forward_pass(mgr, step_s)
         except BaseException:
             if self._sim is not None:  # the copy engine stops with us: let the manager drain
                 self._sim.complete_all()
             raise
-        mgr = self.mgr
-        assert isinstance(mgr, OffloadManager), "the asyncio loop needs an OffloadManager"
         await mgr.wait_drained()
         self.mgr.check_invariants()
         self.result.invariant_checks += 1
         self.result.wall_s = time.monotonic() - start
         return self.result
+
+    async def _forward_pass(self, mgr: OffloadManager, step_s: float) -> None:
+        """The forward pass (``step_s`` of wall time, during which completions arrive),
+        then the plan's clock moves one step. With the sim backend, the copies this loop
+        completed are all delivered (and the writes they queued done) before the next
+        step, however long that takes the machine: the schedule never races it."""
+        await anyio.sleep(step_s)
+        if self._sim is not None:
+            await mgr.settle()
+        self._now += self.pace
+        # A released request's id is free again, at the same step on every machine
+        # (its waiter task, which also forgets it, runs whenever the event loop gets to it).
+        self._finishing = {rid: lc for rid, lc in self._finishing.items() if not lc.released}
 
     # --- one step --------------------------------------------------------------------
 
@@ -213,11 +240,12 @@ class DecodeScheduler:
             self.on_release(1)
 
     def _play_copy_engine(self) -> None:
-        """``sim`` only: complete each pending transfer after an exponential delay."""
+        """``sim`` only: complete each pending transfer after an exponential delay
+        (seeded, on the plan's clock)."""
         sim = self._sim
         if sim is None:
             return
-        now = time.monotonic()
+        now = self._now
         mean = self.spec.copy_delay_ms / 1000
         due = self._due
         for t in list(sim.pending):

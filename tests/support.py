@@ -61,8 +61,9 @@ async def complete_everything(mgr: kvo.OffloadManager, backend: SimBackend) -> N
 
 
 #: Real seconds after which a wait that should already be satisfiable counts as hung.
-#: A guard that turns a hang into a failure, never a timing assertion.
-HANG_S = 10.0
+#: A guard that turns a hang into a failure, never a timing assertion: generous, so
+#: that a busy machine (two cores shared, a loaded CI runner) never trips it (F39).
+HANG_S = 30.0
 
 
 async def released(lc: Lifecycle) -> None:

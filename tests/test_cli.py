@@ -4,9 +4,11 @@ decides the exit code, bad options exit 2 with a message, never a traceback."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,42 @@ def test_reused_ids_get_late_completions_delivered_to_their_own_lifecycle(
     assert report["requests"]["reused_ids"] > 0
     assert report["deliveries"]["late_while_id_reused"] > 0
     assert report["deliveries"]["mismatched"] == 0
+
+
+#: What describes a run's schedule in its report: everything but wall-clock figures.
+_SCHEDULE = ("requests", "pages", "deliveries", "ledger")
+
+
+def _schedule(report: dict[str, Any]) -> dict[str, Any]:
+    stats = {k: v for k, v in report["statistics"].items() if k != "stuck_reports"}  # the watchdog's clock
+    steps = report["throughput"]["decode_steps"]
+    return {**{k: report[k] for k in _SCHEDULE}, "steps": steps, "stats": stats}
+
+
+def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """F39: with the sim backend the run is driven, not timed: arrivals and copy delays
+    count decode steps, and each step waits until the manager took the completions the
+    loop played. A machine that needs 2 ms more for every step (a busy one) runs the
+    same schedule, figure for figure, with its late completions during id reuse."""
+    from kvoffload.scheduler import DecodeScheduler
+
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "fast.json")], capsys)
+    assert code == 0, out
+    fast = json.loads((tmp_path / "fast.json").read_text())
+    step = DecodeScheduler._decode_step
+
+    def slow_step(self: DecodeScheduler, tg: Any) -> None:
+        time.sleep(0.002)  # a slow forward pass, on purpose: the schedule must not see it
+        step(self, tg)
+
+    monkeypatch.setattr(DecodeScheduler, "_decode_step", slow_step)
+    code, out, _ = run([*REUSED, "--json", str(tmp_path / "slow.json")], capsys)
+    assert code == 0, out
+    slow = json.loads((tmp_path / "slow.json").read_text())
+    assert slow["requests"]["reused_ids"] > 0 and slow["deliveries"]["late_while_id_reused"] > 0
+    assert _schedule(slow) == _schedule(fast)
 
 
 class SwapsSharedIdsInABatch(OffloadCore):
@@ -175,6 +213,12 @@ def test_auto_backend_is_the_managers_auto() -> None:
         (["simulate", "--reuse", "1.5"], "between 0 and 1"),
         (["simulate", "--step-ms", "-1"], ">= 0"),
         (["simulate", "--arrival-rate", "0"], "arrival_rate must be > 0"),
+        (["simulate", "--tp", "1000000"], "at most"),  # not a million processes
+        (["simulate", "--requests", "1000000000"], "at most 1,000,000"),
+        (["simulate", "--prompt-mean", "1000000000", "--device-pages", "100000000"], "at most 1,000,000"),
+        (["simulate", "--output-mean", "1000000000"], "at most 1,000,000"),
+        (["simulate", "--step-ms", "1e300"], "at most 10,000"),  # a run that never ends
+        (["simulate", "--copy-delay-ms", "1e300"], "at most 60,000"),
         (["simulate", "--page-size", "16", "--stride", "24"], "multiple of page_size"),
         (["simulate", "--backend", "quantum"], "not available"),
         pytest.param(
@@ -196,6 +240,17 @@ def test_bad_options_exit_2_with_a_clear_message(
     code, _, err = run(argv, capsys)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_tp_is_bounded_by_the_machines_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp starts one process per rank: more than 4 a CPU core (64 at most) is refused
+    with the bound and the reason, exit 2, before anything starts."""
+    from kvoffload.cli import max_tp
+
+    bound = max_tp()
+    assert bound == min(64, 4 * (os.cpu_count() or 1))
+    code, _, err = run(["simulate", "--tp", str(bound + 1)], capsys)
+    assert code == 2 and f"at most {bound}" in err and "CPU core" in err
 
 
 def test_the_installed_command_reports_bad_options_without_a_traceback() -> None:

@@ -5,6 +5,8 @@ traceback; a workload that could never run is refused (exit 2), never a hang."""
 from __future__ import annotations
 
 import os
+import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -49,6 +51,79 @@ def test_f27_a_stop_signal_ends_the_run_cleanly(sig: signal.Signals, code: int, 
         f"kvoffload: stopped by {sig.name}; the run's temporary store was removed"
     ]
     assert not list(tmp_path.glob("kvoffload-sim-*"))
+
+
+#: The two ways to start the command: ``python -m kvoffload`` and the console script.
+COMMANDS = {
+    "python -m kvoffload": [sys.executable, "-X", "importtime", "-m", "kvoffload"],
+    "console script": [sys.executable, "-X", "importtime", str(Path(sys.executable).with_name("kvoffload"))],
+}
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, bound_s: float) -> list[str]:
+    """stderr lines of ``proc`` up to the first that ``marker`` (a regex) matches (waits
+    for the line, at most ``bound_s``: a hang bound, never a pace)."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + bound_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stderr, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                continue
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if re.search(marker, line):
+                return lines
+    raise AssertionError(f"no {marker!r} on stderr within {bound_s} s: {lines[-5:]}")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_f27_a_stop_signal_while_kvoffload_imports_exits_quietly(
+    command: str, sig: signal.Signals, code: int, tmp_path: Path
+) -> None:
+    """F27: the signal arrives while ``import kvoffload`` runs (the first half second,
+    before the command's own handlers exist): the process exits 128+signum with one
+    line and no traceback. The moment is driven: python's ``-X importtime`` reports
+    each module as its import ends, and the signal goes when the first kvoffload
+    module is reported, while the package itself is still importing."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    argv = [*COMMANDS[command], "simulate", "--requests", "100000", "--no-progress"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = _read_until(proc, r"\|\s+kvoffload\.", 60)  # "| <indent>kvoffload.errors"
+        assert not any(re.search(r"\|\s+kvoffload$", line.rstrip()) for line in seen)  # still importing
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    said = [line for line in err.splitlines() if not line.startswith("import time:")]
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in err
+    assert said == [f"kvoffload: stopped by {sig.name}"], said
+    assert not list(tmp_path.glob("kvoffload-sim-*"))
+
+
+def test_the_early_handlers_belong_to_the_command_only() -> None:
+    """A program that imports kvoffload keeps its own signal handlers: only the
+    ``kvoffload`` command (``python -m kvoffload``, the console script) gets the early
+    ones."""
+    from kvoffload._early_stop import _stop, is_the_command
+
+    assert is_the_command(["-m"], ["python", "-X", "importtime", "-m", "kvoffload", "simulate"])
+    assert is_the_command(["-m"], ["python", "-mkvoffload"])
+    assert is_the_command(["/venv/bin/kvoffload", "simulate"], ["python", "/venv/bin/kvoffload"])
+    assert not is_the_command(["-m"], ["python", "-m", "mypkg"])  # mypkg imports kvoffload
+    assert not is_the_command(["-m"], ["python", "-m", "kvoffload.other"])
+    assert not is_the_command(["app.py"], ["python", "app.py"])
+    assert not is_the_command(["-c"], ["python", "-c", "import kvoffload"])
+    # This process (pytest) imported kvoffload: its handlers are its own.
+    assert all(signal.getsignal(sig) is not _stop for sig in (signal.SIGINT, signal.SIGTERM))
 
 
 def test_f27_a_request_that_can_never_fit_is_refused_not_waited_for() -> None:

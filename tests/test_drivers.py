@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 from structlog.testing import capture_logs
-from support import toks
+from support import HANG_S, toks
 
 import kvoffload as kvo
 from kvoffload.backends.cpu import CpuBackend
@@ -20,6 +20,11 @@ from kvoffload.drivers._base import parked
 from kvoffload.testing import ManagerHost, SimBackend, SyncManagerHost
 
 PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState
+
+#: How much longer than its timeout a close may take on a busy machine (F39): a bound
+#: on a hang, not a speed check; below the sync test's drain_timeout_s (30 s), so a
+#: close that ignored its own timeout for the config's still fails.
+_SLACK_S = 10.0
 
 
 class RefusingBackend(SimBackend):
@@ -71,7 +76,7 @@ async def test_f20_a_refused_deferred_retry_fails_that_chunk_and_the_manager_run
             assert b.state is FINISHING and b.deferred
             backend.refuse = True
             backend.complete(backend.pending[0])  # a's copy ends: b's retry is refused
-            with anyio.fail_after(5):
+            with anyio.fail_after(HANG_S):
                 await b.wait_released()
             assert b.outcome is kvo.Outcome.FAILED and a.state is PENDING
             s = mgr.statistics()
@@ -118,8 +123,8 @@ def host_for(driver: str, config: kvo.OffloadConfig, backend: Any, **kw: Any) ->
 
 
 def settle_until(host: Any, cond: Any) -> None:
-    """Deliver until ``cond()`` holds (copies on threads finish when they do; 10 s)."""
-    deadline = time.monotonic() + 10
+    """Deliver until ``cond()`` holds (copies on threads finish when they do; HANG_S)."""
+    deadline = time.monotonic() + HANG_S
     while not host.call(cond):
         assert time.monotonic() < deadline, "hung"
         time.sleep(0.001)
@@ -172,7 +177,7 @@ def _wedged_cpu_backend() -> tuple[CpuBackend, threading.Event]:
 @pytest.mark.asyncio
 async def test_f21_leaving_with_a_wedged_copy_raises_drain_timeout_in_bounded_time() -> None:
     """F21 (asyncio): leaving the manager while a cpu copy is wedged raises DrainTimeout
-    within drain_timeout_s plus a second, naming the wedged transfer; the buffers the
+    within drain_timeout_s plus _SLACK_S (a hang bound), naming the wedged transfer; the buffers the
     copy reads are parked (never freed) and its lifecycle keeps its pages."""
     backend, gate = _wedged_cpu_backend()
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=16, host_pages=8, drain_timeout_s=0.3)
@@ -186,7 +191,7 @@ async def test_f21_leaving_with_a_wedged_copy_raises_drain_timeout_in_bounded_ti
                 (t,) = lc.manager.core.inflight.values()
                 start = time.monotonic()
         elapsed = time.monotonic() - start
-        assert elapsed < config.drain_timeout_s + 1.0, elapsed
+        assert elapsed < config.drain_timeout_s + _SLACK_S, elapsed
         assert f"Transfer #{t.id}" in str(info.value) and "parked" in str(info.value)
         assert parked() >= 1
         assert lc.state is FINISHING and lc.device_pages and mgr.statistics().host_pages_used == 1
@@ -210,7 +215,7 @@ def test_f21_closing_a_sync_manager_with_a_wedged_copy_is_bounded_too() -> None:
         start = time.monotonic()
         with pytest.raises(kvo.DrainTimeout) as info:
             mgr.close(timeout=0.3)
-        assert time.monotonic() - start < 0.3 + 1.0
+        assert time.monotonic() - start < 0.3 + _SLACK_S < config.drain_timeout_s
         assert f"Transfer #{t.id}" in str(info.value)
         assert lc.state is FINISHING and parked() >= 1
         with pytest.raises(kvo.KVOffloadError, match="open"):
@@ -266,7 +271,7 @@ async def test_f24_asyncio_calls_from_a_foreign_thread_raise_and_change_nothing(
         waiter = asyncio.ensure_future(lc.retract())
         await asyncio.sleep(0)
         backend.complete_all()
-        with anyio.fail_after(5):
+        with anyio.fail_after(HANG_S):
             await waiter
         assert lc.outcome is kvo.Outcome.ABORTED
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from structlog.testing import capture_logs
-from support import FakeClock, complete_everything, open_manager, toks, unchanged
+from support import HANG_S, FakeClock, complete_everything, open_manager, toks, unchanged
 
 import kvoffload as kvo
 from kvoffload.lifecycle.core import Lifecycle
@@ -502,7 +502,7 @@ async def test_settle_waits_for_what_was_signalled_before_it_not_for_later_work(
             backend.complete(tb)  # new work arrives; its write blocks
             await anyio.sleep(0.01)
             before.set()
-            with anyio.fail_after(5):
+            with anyio.fail_after(HANG_S):
                 await done.wait()  # returns although b's write is still pending
             assert mgr.statistics().pages_in_write == 1
             later.set()

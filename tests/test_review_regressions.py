@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 import structlog
-from support import FakeClock, complete_everything, released, small_config, toks
+from support import HANG_S, FakeClock, complete_everything, released, small_config, toks
 from test_manager import _RefusingBackend
 
 import kvoffload as kvo
@@ -59,7 +59,7 @@ async def test_a_raising_listener_never_corrupts_the_ledger_or_frees_a_page_unde
             lc.finish()
             backend.complete_all()
             await released(lc)
-            with anyio.fail_after(10):
+            with anyio.fail_after(HANG_S):
                 await mgr.settle()
         mgr.check_invariants()
         s = mgr.statistics()
@@ -221,7 +221,7 @@ async def _close_with_a_copy_in_flight(
 
     async def waiter(mgr: kvo.OffloadManager, lc: kvo.Lifecycle) -> None:
         try:
-            with anyio.fail_after(2):  # a hang guard, never reached once fixed
+            with anyio.fail_after(HANG_S):  # a hang guard, never reached once fixed
                 await wait(mgr, lc)
         except BaseException as exc:
             errors.append(exc)
@@ -247,10 +247,10 @@ async def test_waiting_on_a_closed_manager_that_cannot_drain_raises_instead_of_h
     backend = SimBackend()
     mgr, _, errors = await _close_with_a_copy_in_flight(backend, lambda mgr, lc: mgr.wait_drained())
     assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
-    with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+    with anyio.fail_after(HANG_S), pytest.raises(kvo.KVOffloadError, match="closed"):
         await mgr.wait_drained()
     backend.complete(backend.pending[0])  # signalled, but no task is left to deliver it
-    with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+    with anyio.fail_after(HANG_S), pytest.raises(kvo.KVOffloadError, match="closed"):
         await mgr.settle()
 
 
@@ -262,6 +262,6 @@ async def test_waiting_on_a_lifecycle_whose_copy_a_closed_manager_will_never_del
     mgr, lc, errors = await _close_with_a_copy_in_flight(SimBackend(), lambda mgr, lc: lc.wait_released())
     assert len(errors) == 1 and type(errors[0]) is kvo.KVOffloadError, errors
     for wait in (lc.wait_released, lc.wait_quiescent, lc.retract):
-        with anyio.fail_after(2), pytest.raises(kvo.KVOffloadError, match="closed"):
+        with anyio.fail_after(HANG_S), pytest.raises(kvo.KVOffloadError, match="closed"):
             await wait()
     assert lc.state is kvo.LifecycleState.FINISHING and mgr.statistics().device_pages_used == 2

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from sglang_fakes import Engine, Req, collect, expected_page
+from support import HANG_S
 
 import kvoffload as kvo
 from kvoffload.integrations.sglang import DecodeKVCacheOffloadManager, engine_kv_tensors
@@ -49,10 +50,12 @@ def stored(storage: MemoryStorage, keys: list[str]) -> list[bytes | None]:
 
 def writes_done(mgr: DecodeKVCacheOffloadManager) -> None:
     """Scheduler iterations until the storage writes started so far are collected (they
-    run on the writer's thread), for at most 5 s: what an idle scheduler loop does."""
-    deadline = time.monotonic() + 5.0
+    run on the writer's thread): what an idle scheduler loop does. Fails after HANG_S
+    (a hang, never a slow machine: F39)."""
+    deadline = time.monotonic() + HANG_S
     mgr.check_offload_progress()
-    while mgr.statistics().pages_in_write and time.monotonic() < deadline:
+    while mgr.statistics().pages_in_write:
+        assert time.monotonic() < deadline, f"storage writes never finished: {mgr.statistics()}"
         time.sleep(0.001)
         mgr.check_offload_progress()
 

@@ -14,6 +14,7 @@ import anyio
 import pytest
 from _redis_server import RedisServer
 from _storage_helpers import device_bytes, fill_pages
+from support import HANG_S
 
 import kvoffload as kvo
 from kvoffload.abc import Storage
@@ -88,7 +89,7 @@ async def outage_scenario(
             run.extend(lc)
             lc.finish()
         await run.complete_all()
-        with anyio.fail_after(5):
+        with anyio.fail_after(HANG_S):
             for lc in live:
                 await lc.wait_released()
         s = mgr.statistics()

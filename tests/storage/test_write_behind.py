@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 import structlog
 from _storage_helpers import ScriptedStore, device_bytes, fill_device
+from support import HANG_S
 
 import kvoffload as kvo
 from kvoffload.storage import WritePolicy
@@ -93,7 +94,7 @@ async def test_release_never_waits_for_storage(
     lc = one_chunk(smgr, "r1")
     lc.finish()
     backend.complete_all()
-    with anyio.fail_after(5):
+    with anyio.fail_after(HANG_S):
         await lc.wait_released()
     assert lc.outcome is kvo.Outcome.COMPLETED
     s = smgr.statistics()

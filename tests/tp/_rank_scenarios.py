@@ -278,11 +278,15 @@ def _chain(tokens: list[int]) -> list[str]:
     return kvo.chain_keys(None, tokens, 4)
 
 
-def stop_polling(ctx: RankContext, how: str) -> dict[str, Any]:
-    """Rank 1 stops taking part (``how``: "sleep" for a while, or "die"); rank 0 polls
-    with a copy finished here and in flight there. Returns what rank 0 saw: the error
-    type, whether the lifecycle kept its pages, what a second poll and close did."""
+def stop_polling(ctx: RankContext, how: str, done_marker: str) -> dict[str, Any]:
+    """Rank 1 stops taking part (``how``: "sleep" until rank 0 is done, or "die"); rank
+    0 polls with a copy finished here and in flight there. Returns what rank 0 saw: the
+    error type, whether the lifecycle kept its pages, what a second poll and close did.
+    Rank 0 creates the file ``done_marker`` when it is done; a sleeping rank 1 waits for
+    it (at most 60 s, a hang bound), so it is late past rank 0's tp_timeout_s however
+    slow the machine is (F39), never for an amount of time."""
     import os
+    from pathlib import Path
 
     backend, mgr, lc = _one_copy(ctx, tp_timeout_s=1.0, drain_timeout_s=2)
     lc.finish()
@@ -290,16 +294,23 @@ def stop_polling(ctx: RankContext, how: str) -> dict[str, Any]:
     if ctx.rank == 1:
         if how == "die":
             os._exit(3)
-        time.sleep(3.0)  # past rank 0's tp_timeout_s
+        deadline = time.monotonic() + 60
+        while not Path(done_marker).exists():  # rank 0 timed out, polled again and closed
+            assert time.monotonic() < deadline, "rank 0 never finished"
+            time.sleep(0.01)
     backend.complete_all()
     out: dict[str, Any] = {}
-    out["first"], out["message"] = _attempt(mgr.poll, "delivered")
-    out["state"] = lc.state.name
-    out["pages_held"] = mgr.statistics().device_pages_used
-    out["second"], _ = _attempt(mgr.poll, "delivered")
-    out["close"], _ = _attempt(mgr.close, "closed")
-    out["after_close"] = lc.state.name
-    out["pages_after_close"] = mgr.statistics().device_pages_used
+    try:
+        out["first"], out["message"] = _attempt(mgr.poll, "delivered")
+        out["state"] = lc.state.name
+        out["pages_held"] = mgr.statistics().device_pages_used
+        out["second"], _ = _attempt(mgr.poll, "delivered")
+        out["close"], _ = _attempt(mgr.close, "closed")
+        out["after_close"] = lc.state.name
+        out["pages_after_close"] = mgr.statistics().device_pages_used
+    finally:
+        if ctx.rank == 0:
+            Path(done_marker).touch()
     return out
 
 

@@ -5,6 +5,8 @@ their group."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from _rank_scenarios import stop_polling
 
@@ -12,13 +14,16 @@ from kvoffload._testing.ranks import LocalRanks
 
 
 @pytest.mark.parametrize("how", ["sleep", "die"])
-def test_a_rank_that_stops_polling_or_dies_makes_the_others_raise_rank_timeout(how: str) -> None:
-    """Rank 1 stops taking part (sleeps past rank 0's 1 s tp_timeout_s, or exits). Rank
-    0's poll raises RankTimeout, delivering nothing: its lifecycle stays FINISHING with
-    its pages held, though rank 0's own copy ended; the next poll raises at once; close()
-    returns, delivering rank 0's own finished copy, and then the pages are back."""
+def test_a_rank_that_stops_polling_or_dies_makes_the_others_raise_rank_timeout(
+    how: str, tmp_path: Path
+) -> None:
+    """Rank 1 stops taking part (sleeps until rank 0 is done, past its 1 s tp_timeout_s,
+    or exits: F39, no sleep of a fixed length). Rank 0's poll raises RankTimeout,
+    delivering nothing: its lifecycle stays FINISHING with its pages held, though rank
+    0's own copy ended; the next poll raises at once; close() returns, delivering rank
+    0's own finished copy, and then the pages are back."""
     with LocalRanks(2, timeout_s=60) as pool:
-        outcomes = pool.outcomes(stop_polling, how)
+        outcomes = pool.outcomes(stop_polling, how, str(tmp_path / "rank0-done"))
     rank0 = outcomes[0]
     assert rank0.ok, rank0.error
     out = rank0.value
