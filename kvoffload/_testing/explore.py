@@ -222,6 +222,18 @@ class _Explorer(CoreLifecycleMachine):
             return False
         return True
 
+    def check_step(self) -> None:
+        """The after-step check: every ``@invariant`` the machine declares, as
+        hypothesis runs them (today ``outside_rules_hold``: the Observer's ``check``),
+        so a check added to the machine or the observer is part of the exploration."""
+        invariants = getattr(self, "invariants", None)  # hypothesis' list for this class
+        if invariants is None:  # pragma: no cover - a hypothesis that keeps it elsewhere
+            self.outside_rules_hold()
+            return
+        for inv in invariants:
+            if all(pre(self) for pre in inv.preconditions):
+                inv.function(self)
+
     def nth(self, i: int) -> Lifecycle:
         return self.held[RID][i]
 
@@ -309,11 +321,12 @@ def signature(m: _Explorer) -> tuple[Any, ...]:
     next and what its checks see: each lifecycle's fields and the observer's model of
     it (by admission order), the in-flight transfers (by their lifecycle and first
     token, never by id), the deferred queue, the queued writes, both pools' free lists,
-    the counters, the clock, the budgets used.
+    the clock, the budgets used.
 
-    Two reductions, both exact (the futures of two states they identify are the same
-    up to renaming): the in-flight transfers and the queued writes are sets - every
-    action takes any of them by position, so their order only names them - and page
+    Two reductions, exact for the steps (the futures of two states they identify are
+    the same up to renaming; only ``teardown`` drains in the backend's order): the
+    in-flight transfers and the queued writes are sets - every action takes any of
+    them by position, so their order only names them - and page
     ids are renamed in order of first appearance (lifecycles, transfers, writes, then
     the free lists), since nothing compares page ids but for equality. Left out: the
     counters (no step reads them; the ledger checks their relations to this state
@@ -505,7 +518,7 @@ class _Search:
     def start(self) -> None:
         root = _machine(self.world, self.core_class)
         try:
-            root.outside_rules_hold()
+            root.check_step()
         except Exception as exc:
             self.violation((), exc)
             return
@@ -548,7 +561,7 @@ class _Search:
                     m = _replay(self.world, self.core_class, schedule)
                 try:
                     m.act(a)
-                    m.outside_rules_hold()
+                    m.check_step()
                 except Exception as exc:
                     self.violation(path, exc)
                     continue

@@ -11,6 +11,8 @@ frees, holes, ...) after every step. The counts are printed (docs/testing.md).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from test_mutations import CAUGHT_BY, RoutedByRequestId
 
@@ -68,6 +70,26 @@ def test_interleavings_that_reach_one_state_are_one_state() -> None:
 
     assert len(both(World("two", host_pages=2, on_host_full="wait"))) == 1
     assert len(both(World("one", host_pages=1, on_host_full="drop"))) == 2
+
+
+def test_a_check_added_to_the_observer_is_part_of_the_exploration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The explorer runs the observer's whole check after every step (it runs the
+    machine's invariants, not a list of its own): a new rule there - here, "no copy
+    ever fails" - is found at once, with its shortest schedule."""
+    from kvoffload._testing.observer import Observer
+
+    check = Observer.check
+
+    def no_failed_copy(self: Observer, *args: Any, **kwargs: Any) -> None:
+        check(self, *args, **kwargs)
+        assert not any(m.failed for m in self.lcs.values()), "a copy failed"
+
+    monkeypatch.setattr(Observer, "check", no_failed_copy)
+    result = explore(DEFAULT[:1])
+    assert [str(v.error).splitlines()[0] for v in result.violations] == ["a copy failed"]
+    assert result.violations[0].schedule == (("admit", 0), ("extend", 0, 1), ("fail", 0))
 
 
 @pytest.mark.slow
