@@ -17,6 +17,10 @@
 - :class:`LocalRanks`: local tensor-parallel ranks (spawned processes in one gloo
   group) that run a function on every rank, for tests of ``SyncOffloadManager(group=)``.
 - :func:`reference_keys`: an independent recomputation of the page key chain.
+- :func:`explore`: every interleaving of the bare core in small worlds
+  (:class:`World`), breadth first, each step checked: the exhaustive check (an
+  :class:`Exploration` says what it visited, a :class:`Counterexample` gives a
+  shortest failing schedule).
 
 Everything but ``SimBackend`` needs hypothesis (``pip install kvoffload[test]``); it is
 imported on first use, so ``from kvoffload.testing import SimBackend`` stays light.
@@ -38,6 +42,7 @@ from kvoffload.drivers.asyncio import OffloadManager
 
 if TYPE_CHECKING:
     from kvoffload._testing.capture import TransitionRecord, capture_transitions
+    from kvoffload._testing.explore import Counterexample, Exploration, World, explore
     from kvoffload._testing.host import ManagerHost, SyncManagerHost
     from kvoffload._testing.machine import (
         CoreLifecycleMachine,
@@ -61,6 +66,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckedSimBackend",
     "CoreLifecycleMachine",
+    "Counterexample",
+    "Exploration",
     "FlakyStorage",
     "LifecycleMachine",
     "LocalRanks",
@@ -74,8 +81,10 @@ __all__ = [
     "SyncLifecycleMachine",
     "SyncManagerHost",
     "TransitionRecord",
+    "World",
     "capture_transitions",
     "completion_orders",
+    "explore",
     "manager_in_task",
     "open_arguments",
     "programs",
@@ -125,6 +134,8 @@ async def manager_in_task(*args: Any, **kwargs: Any) -> AsyncIterator[OffloadMan
 _LAZY: dict[str, str] = {
     "CheckedSimBackend": "observer",
     "CoreLifecycleMachine": "machine",
+    "Counterexample": "explore",
+    "Exploration": "explore",
     "FlakyStorage": "machine",
     "LifecycleMachine": "machine",
     "LocalRanks": "ranks",
@@ -137,8 +148,10 @@ _LAZY: dict[str, str] = {
     "SyncLifecycleMachine": "machine",
     "SyncManagerHost": "host",
     "TransitionRecord": "capture",
+    "World": "explore",
     "capture_transitions": "capture",
     "completion_orders": "strategies",
+    "explore": "explore",
     "open_arguments": "program",
     "programs": "program",
     "reference_keys": "observer",

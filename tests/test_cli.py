@@ -127,14 +127,14 @@ class SwapsSharedIdsInABatch(OffloadCore):
     as many completions as it issued, after its copies ended: every count, state,
     ledger and leak check still holds. Only what the completions carry is wrong."""
 
-    def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
+    def _apply(self, batch: Iterable[Completion], now: float) -> None:
         batch = list(batch)
         for i, (t, _) in enumerate(batch):
             for u, _ in batch[i + 1 :]:
                 if u.lifecycle is not t.lifecycle and u.lifecycle.rid == t.lifecycle.rid:
                     t.lifecycle, u.lifecycle = u.lifecycle, t.lifecycle
                     break
-        super()._deliver_all(batch, now)
+        super()._apply(batch, now)
 
 
 def test_a_misrouted_completion_fails_the_run(

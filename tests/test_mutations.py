@@ -15,73 +15,85 @@ from __future__ import annotations
 import contextlib
 import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import HypothesisException
 
-from kvoffload.abc import Transfer
+from kvoffload.abc import Completion, Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.keys import chain_keys_packed, pack_tokens, page_run_digests
 from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.lifecycle.table import EVENT_INDEX
 from kvoffload.testing import CoreLifecycleMachine, LifecycleMachine, open_arguments, programs, run_program
 
 _FINISHING = LifecycleState.FINISHING.value
-_DONE = EVENT_INDEX["chunk_done"]
-_FAILED = EVENT_INDEX["chunk_failed"]
 
 
-class RoutedByRequestId(OffloadCore):
+class OneAtATime(OffloadCore):
+    """The base of the mutants that change how one completion is applied: the core's
+    own delivery path (``_apply``, what ``complete`` calls), given the batch one
+    completion at a time, each through :meth:`deliver` - which a mutant wraps. (No
+    hook in the core: the mutant overrides the method the real path calls.)"""
+
+    def _apply(self, batch: Iterable[Completion], now: float) -> None:
+        for t, error in batch:
+            self.deliver(t, error, now)
+
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        super()._apply(((t, error),), now)
+
+
+class RoutedByRequestId(OneAtATime):
     """F1: a completion is applied to the newest live lifecycle with the transfer's
     request id, not to the lifecycle that issued it."""
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
         same_rid = [lc for lc in self.live.values() if lc.rid == t.lifecycle.rid]
         if same_rid:
             t.lifecycle = same_rid[-1]
-        super()._deliver_one(t, error, now)
+        super().deliver(t, error, now)
 
 
-class FreedMidDecode(OffloadCore):
+class FreedMidDecode(OneAtATime):
     """F3: a chunk's device pages go back to the pool when its copy completes, while
     the request is still decoding."""
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        super()._deliver_one(t, error, now)
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        super().deliver(t, error, now)
         if error is None and not t.lifecycle.released:
             self.device_pool.free(t.device_pages)
 
 
-class FirstCompletionReleases(OffloadCore):
+class FirstCompletionReleases(OneAtATime):
     """F5: a finished request with two chunks in flight is released by the first."""
 
-    def _fire(self, lc: Lifecycle, e: int, now: float | None = None) -> None:
-        if lc._s == _FINISHING and lc.inflight > 0 and e in (_DONE, _FAILED):
-            lc.inflight = 0  # "this request is done": the other chunk is forgotten
-        super()._fire(lc, e, now)
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        lc = t.lifecycle
+        if lc._s == _FINISHING and lc.inflight > 1:
+            lc.inflight = 1  # "this request is done": the other chunk is forgotten
+        super().deliver(t, error, now)
 
 
-class ReleasedTwice(OffloadCore):
+class ReleasedTwice(OneAtATime):
     """F8: the completion path frees the device pages again after the finish path did."""
 
     def _release(self, lc: Lifecycle) -> None:
         self._last_released = (lc, list(lc.device_pages))
         super()._release(lc)
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        super()._deliver_one(t, error, now)
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        super().deliver(t, error, now)
         released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
         if released is not None and released[0] is t.lifecycle:
             self._last_released = None
             self.device_pool.free(released[1])  # the second release
 
 
-class KeysAtCompletion(OffloadCore):
+class KeysAtCompletion(OneAtATime):
     """F11: keys are computed when a chunk completes, chained from per-request state
     updated by completions (so out-of-order completions chain from the wrong page)."""
 
@@ -99,11 +111,11 @@ class KeysAtCompletion(OffloadCore):
             self._tokens[t.id] = tail[: t.n_tokens]
         return submitted
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
         prev = self._last_key.get(t.lifecycle.id)
         t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
         self._last_key[t.lifecycle.id] = t.keys[-1]
-        super()._deliver_one(t, error, now)
+        super().deliver(t, error, now)
 
 
 class FreedAtFinish(OffloadCore):
@@ -129,16 +141,16 @@ class RetractionFreesBehindTheBarrier(OffloadCore):
         return super().abort(lc)
 
 
-class AbortLeaksInflight(OffloadCore):
+class AbortLeaksInflight(OneAtATime):
     """F7: after an abort, the completion of a chunk that was in flight finds nothing
     to clean up and is dropped: its host pages, the device pages and the request's
     slot are never returned."""
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
+    def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
         if t.lifecycle.aborted:
             del self.inflight[t.id]
             return
-        super()._deliver_one(t, error, now)
+        super().deliver(t, error, now)
 
 
 class SkippedWhenHostFull(OffloadCore):

@@ -820,12 +820,6 @@ class OffloadCore:
         cfg = self.config
         ps = cfg.page_size
         stride = cfg.stride
-        if type(self)._submit is not OffloadCore._submit:  # a subclass's hook sees every chunk
-            for lc in run:
-                pending = lc._committed - lc.submitted
-                self._submit(lc, pending - pending % stride, ready)
-                progress[0] += 1
-            return
         most = cfg.host_pages * ps
         take = self.host_pool.try_allocate
         plan: list[tuple[Lifecycle, int, int, list[int] | None]] = []
@@ -837,7 +831,6 @@ class OffloadCore:
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plan]
         accept = self.accept
         counts = self.state_counts
-        hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
         chunks = pages = 0
         try:
             for j, (lc, want, n, host) in enumerate(plan):
@@ -860,16 +853,13 @@ class OffloadCore:
                 self._accepted(t, digests)
                 chunks += 1
                 pages += len(host)
-                if hooked:
-                    self._fire(lc, _SUBMIT, now)
-                else:  # TABLE's submit step from PENDING or OFFLOADING, copies in flight
-                    s = lc._s
-                    dest = _SUBMIT_DEST[s]
-                    if dest != s:
-                        counts[s] -= 1
-                        counts[dest] += 1
-                        lc._s = dest
-                        lc.state_since = now
+                s = lc._s  # TABLE's submit step from PENDING or OFFLOADING, copies in flight
+                dest = _SUBMIT_DEST[s]
+                if dest != s:
+                    counts[s] -= 1
+                    counts[dest] += 1
+                    lc._s = dest
+                    lc.state_since = now
                 progress[0] += 1
         finally:
             c = self.counters
@@ -994,39 +984,26 @@ class OffloadCore:
         c = self.counters
         n, submitted = len(self.inflight), c.chunks_submitted
         try:
-            self._deliver_all(batch, self.clock() if now is None else now)
+            self._apply(batch, self.clock() if now is None else now)
         finally:  # what left flight, plus what the batch's returned host pages let go out
             c.completions_delivered += n - len(self.inflight) + c.chunks_submitted - submitted
         return self._take_released()
 
-    def _deliver_one(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        """Apply one completion. A subclass that overrides this hook (the mutation
-        meta-tests do) is called once per completion by :meth:`complete`."""
-        self._apply(((t, error),), now)
-
-    def _deliver_all(self, batch: Iterable[Completion], now: float) -> None:
-        if type(self)._deliver_one is not OffloadCore._deliver_one:
-            for t, error in batch:
-                self._deliver_one(t, error, now)
-            return
-        self._apply(batch, now)
-
     def _apply(self, batch: Iterable[Completion], now: float) -> None:
-        """Apply completions in order, each exactly as one :meth:`_deliver_one` would,
+        """Apply completions in order, each exactly as a batch of that one alone would,
         doing once per batch what need not be done per completion: the observed gate,
         the ledger writes and the host-page return of copied chunks (one checked
         ``PagePool.free``).
 
         Invariant: what the loop holds back (``chunks``/``pages``/``held``) is written
         to the counters and the host pool (``_credit``) before anything can read them -
-        a log line or listener, ``_fire``'s full path (release, events, a subclass's
-        hook), ``_pump_deferred`` - and on the way out, normally or by an exception.
+        a log line or listener, ``_fire``'s full path (release, events),
+        ``_pump_deferred`` - and on the way out, normally or by an exception.
         """
         inflight = self.inflight
         rows = _DONE_ROWS
         counts = self.state_counts
         fire = self._fire
-        hooked = type(self)._fire is not OffloadCore._fire  # a subclass's hook sees every event
         observed = self.observed
         store = self.has_storage
         chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
@@ -1039,7 +1016,7 @@ class OffloadCore:
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
-                if error is None and not (observed or hooked or lc._aborted or self.deferred):
+                if error is None and not (observed or lc._aborted or self.deferred):
                     s = lc._s
                     dest = rows[s][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
                     if 0 <= dest != _RELEASED:

@@ -13,11 +13,15 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 
 
 def _namespace() -> dict[str, Any]:
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    text = DOC.read_text()
+    blocks = list(re.finditer(r"```python\n(.*?)```", text, flags=re.S))
     assert blocks, "docs/testing.md has no python blocks"
     ns: dict[str, Any] = {"__name__": "docs_testing"}
     for block in blocks:
-        exec(compile(block, str(DOC), "exec"), ns)
+        # Padded to its place in the page, so that a function's line numbers are its
+        # lines in docs/testing.md (hypothesis and inspect read its source from there).
+        padded = "\n" * text.count("\n", 0, block.start(1)) + block.group(1)
+        exec(compile(padded, str(DOC), "exec"), ns)
     return ns
 
 
