@@ -193,10 +193,15 @@ class SyncOffloadManager(DriverBase):
         if outer:
             self._errors = errors
         try:
-            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
-        except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
-            group_error = exc  # finish it with this rank's own copies, then say so
-            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+            try:
+                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+            except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
+                group_error = exc  # finish it with this rank's own copies, then say so
+                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+        except BaseException:  # not closed (e.g. KeyboardInterrupt): callbacks raise again
+            if outer:
+                self._errors = None
+            raise
         message = self._drain_error("closed the manager", timeout) if timed_out else None
         if timed_out:
             logger.error(
