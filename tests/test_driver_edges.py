@@ -299,6 +299,18 @@ def test_a_bad_timeout_is_refused_at_once(call: str, bad: Any) -> None:
         backend.complete_all()
 
 
+def test_a_numpy_timeout_is_a_number() -> None:
+    """Any real number of seconds is a timeout (numpy scalars included); inf is for ever."""
+    import numpy as np
+
+    backend = SimBackend()
+    with kvo.SyncOffloadManager(small(), backend=backend) as mgr:
+        lc = one_copy(mgr, "r")
+        backend.complete_all()
+        mgr.wait_released(lc, timeout=np.int64(10))
+        mgr.quiesce(timeout=math.inf)
+
+
 def test_wait_released_on_another_managers_lifecycle_raises_at_once() -> None:
     """wait_released(lc) with a lifecycle another manager admitted waited out its whole
     timeout (for ever by default): it raises a typed error at once."""

@@ -10,6 +10,7 @@ writes back to the core, and tells the engine which lifecycles were released.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import threading
 import time
@@ -76,11 +77,12 @@ def check_timeout(what: str, timeout: object) -> float | None:
     :class:`~kvoffload.ConfigError` naming ``what``: nothing was waited for."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+    seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else -1.0
+    if not seconds >= 0:  # nan, negative, or not a number
         raise ConfigError(
             f"{what}: timeout must be None or a number of seconds >= 0 (not nan), got {timeout!r}"
         )
-    return None if math.isinf(timeout) else float(timeout)
+    return None if math.isinf(seconds) else seconds
 
 
 class DriverBase:
