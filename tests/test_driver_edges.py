@@ -400,3 +400,28 @@ async def test_a_store_raising_cancelled_error_fails_that_write_only_asyncio() -
         backend.complete_all()
         await mgr.settle()
         assert mgr.statistics().pages_stored == 1
+
+
+def test_a_listener_that_aborts_during_finish_does_not_make_finish_fail() -> None:
+    """A listener that aborts the request whose tail chunk its own finish() just
+    submitted: the abort waits for the finish, so finish() returns normally (it raised
+    InvalidTransition: the abort had moved the lifecycle to FINISHING under it) and the
+    lifecycle ends ABORTED once its copy lands; the ledger balances throughout."""
+    backend = SimBackend()
+    with kvo.SyncOffloadManager(small(stride=8), backend=backend) as mgr:
+
+        def on_event(name: str, fields: dict[str, Any]) -> None:
+            if name == "transfer.submitted":
+                next(lc for lc in mgr if lc.id == fields["lifecycle"]).abort()
+
+        mgr.add_listener(on_event)
+        lc = mgr.admit("r", prompt=toks(0, 4))
+        lc.extend(toks(4, 8))  # one whole page, no stride due yet
+        assert backend.pending == []
+        lc.finish()  # the flush submits it; the listener aborts
+        assert lc.aborted and lc.state is FINISHING and lc.inflight == 1
+        mgr.check_invariants()
+        backend.complete_all()
+        mgr.poll()
+        assert lc.outcome is kvo.Outcome.ABORTED
+        mgr.check_invariants()

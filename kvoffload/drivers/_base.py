@@ -332,21 +332,33 @@ class DriverBase:
 
     def finish_lifecycle(self, lc: Lifecycle) -> None:
         """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``.
-        From a listener during a delivery step: applied once the step is done."""
+        From a listener during a delivery step (or another finish or abort): applied
+        once that step is done. A listener's calls during this one wait for it."""
         calls = self._calls
         if calls is not None:
             calls.append((False, lc))
             return
-        self._released(self.core.finish(lc), raise_errors=True)
+        self._calls = []  # a listener's call during the flush waits for the finish
+        try:
+            released = self.core.finish(lc)
+        finally:
+            more, errors = self._apply_calls()
+        self._released(released + more, raise_errors=True, errors=errors)
 
     def abort_lifecycle(self, lc: Lifecycle) -> None:
         """``lc.abort()``: the core's step, then ``on_released`` if it released ``lc``.
-        From a listener during a delivery step: applied once the step is done."""
+        From a listener during a delivery step (or another finish or abort): applied
+        once that step is done. A listener's calls during this one wait for it."""
         calls = self._calls
         if calls is not None:
             calls.append((True, lc))
             return
-        self._released(self.core.abort(lc), raise_errors=True)
+        self._calls = []  # a listener's call during the abort waits for it
+        try:
+            released = self.core.abort(lc)
+        finally:
+            more, errors = self._apply_calls()
+        self._released(released + more, raise_errors=True, errors=errors)
 
     def _delivering(self) -> bool:
         """Start a delivery step: from now on a listener's ``lc.finish()`` / ``lc.abort()``
