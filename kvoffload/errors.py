@@ -14,6 +14,7 @@ __all__ = [
     "InvalidTransition",
     "InvariantViolation",
     "KVOffloadError",
+    "ManagerClosed",
     "MissingDependency",
     "PageError",
     "PoolExhausted",
@@ -48,6 +49,14 @@ class InvalidTransition(KVOffloadError):
         super().__init__(
             f"{lifecycle!r}: event {event!r} is not allowed in state {getattr(state, 'name', state)}"
         )
+
+
+class ManagerClosed(KVOffloadError):
+    """A call on a manager that was closed (``close()``, or leaving its context), or on
+    a lifecycle of one: ``admit``, ``poll``, ``quiesce``, ``lc.extend()``,
+    ``lc.finish()``... Closing aborted every live lifecycle; nothing was changed.
+    (``lc.abort()`` after close is a no-op, as on any RELEASED or aborted lifecycle.)
+    """
 
 
 class InvalidTokens(KVOffloadError, ValueError):

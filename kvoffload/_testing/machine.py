@@ -354,7 +354,12 @@ class LifecycleMachine(RuleBasedStateMachine):
     @rule(slot=_slots)
     def abort(self, slot: int) -> None:
         lc = self._newest(slot)
-        if lc is not None and self._expect(lc, lc.state is not _R, lambda: self.abort_request(lc), "abort"):
+        if lc is not None and lc.state is _R:  # a no-op on a RELEASED lifecycle (issue 19)
+            before = (self.mgr.statistics(), lc.outcome, list(lc.device_pages))
+            self.run(lambda: self.abort_request(lc))
+            after = (self.mgr.statistics(), lc.outcome, list(lc.device_pages))
+            assert after == before, f"abort of a RELEASED lifecycle changed {before} into {after}"
+        elif lc is not None and self._expect(lc, True, lambda: self.abort_request(lc), "abort"):
             self.observer.on_end(lc, aborted=True)
 
     def _pick(self, positions: Sequence[int]) -> list[Any]:
@@ -657,6 +662,7 @@ class CoreLifecycleMachine(LifecycleMachine):
     def _released(self, released: list[Lifecycle]) -> None:
         for lc in released:
             self.released(lc)
+        self.mgr.told(released)  # as a driver does once on_released ran
 
     def close_manager(self) -> None:
         self._released(self.mgr.close())  # the core goes on delivering what is in flight

@@ -322,10 +322,13 @@ class StreamWorker(threading.Thread, Generic[_Item]):
                     items.append(q[len(items)])
             done = self.finish_batch(items)
             with cv:
-                for _ in items:
+                for _ in range(len(items)):  # (a loop variable would keep the last item)
                     q.popleft()
                 batch = [*done, *self.take_done()]
             self._inbox.post(batch)
+            # Hold nothing of the batch while idle: its transfers name lifecycles, whose
+            # tag is the engine's request object (F2: garbage once released and dropped).
+            del items, done, batch
 
     def take_done(self) -> list[Completion]:
         """Pop every item at the head that is done without blocking, in order (any thread;

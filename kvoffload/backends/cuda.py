@@ -93,17 +93,31 @@ class EventStream(StreamWorker[InFlight]):
         recycle: Callable[[CompletionEvent], None],
         stream: Any = None,
         threaded: bool = True,
+        device: Any = None,
     ) -> None:
         super().__init__(name, inbox)
         self._hooks = hooks
         self._recycle = recycle
         self.stream = stream  # the side stream (torch.cuda.Stream), None in tests
+        # device: the GPU (torch.device) the waiter thread selects before it waits on
+        # an event; None: select none (tests with fake events).
+        self.device = device
         # threaded: a waiter thread runs finish(); in poll mode only done_nowait() runs,
         # so hooks.before (which may block) is not applied there.
         self._threaded = threaded
 
     def transfer_of(self, item: InFlight) -> Transfer:
         return item.transfer
+
+    def run(self) -> None:
+        """The waiter thread: select the stream's GPU first (a new thread's current
+        device is GPU 0: waiting there would create a context on GPU 0 in every TP
+        rank's process), then finish the queue in order."""
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+        super().run()
 
     def _consumed(self, item: InFlight) -> Completion:
         self._recycle(item.event)
@@ -276,7 +290,9 @@ class CudaBackend(ThreadedBackend[InFlight]):
     def _make_worker(self, index: int) -> EventStream:
         stream = self._torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         name = f"kvoffload.cuda-wait-{index}"
-        return EventStream(name, self.inbox, self.hooks, self._events.put, stream, self._run_threads)
+        return EventStream(
+            name, self.inbox, self.hooks, self._events.put, stream, self._run_threads, device=self.device
+        )
 
     def _accept(self, transfer: Transfer) -> None:
         """With no ``ready`` from the engine, the copy waits for what the stream current

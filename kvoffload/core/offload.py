@@ -29,7 +29,14 @@ from kvoffload.config import OffloadConfig
 from kvoffload.core.events import DEBUG, Listener, RateLimit, logger, notify_listeners, refresh_debug
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import InvalidTokens, InvalidTransition, KVOffloadError, PageError, PoolExhausted
+from kvoffload.errors import (
+    InvalidTokens,
+    InvalidTransition,
+    KVOffloadError,
+    ManagerClosed,
+    PageError,
+    PoolExhausted,
+)
 from kvoffload.keys import TOKEN_TYPECODE, WIDE_TYPECODE, page_run_digests, validate_tokens
 from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, STATES, Lifecycle, LifecycleHost, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
@@ -130,9 +137,12 @@ class _DirectHost:
         self._tell(self.core.abort(lc))
 
     def _tell(self, released: list[Lifecycle]) -> None:
-        if self.on_released is not None:
-            for lc in released:
-                self.on_released(lc)
+        try:
+            if self.on_released is not None:
+                for lc in released:
+                    self.on_released(lc)
+        finally:
+            self.core.told(released)
 
     def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]:
         raise KVOffloadError(f"{lc!r} belongs to a bare OffloadCore: a driver waits, the core does not")
@@ -327,6 +337,11 @@ class OffloadCore:
 
     def _check(self, lc: Lifecycle, e: int) -> None:
         if TABLE[lc._s][e][0] < 0:
+            if self.closing:  # close() aborted it: say so, not which state refuses the event
+                raise ManagerClosed(
+                    f"{lc!r}: {EVENT_NAMES[e]}() after its manager was closed (closing aborted "
+                    "every live lifecycle); nothing was changed"
+                )
             self._illegal(lc, e)
 
     def _illegal(self, lc: Lifecycle, e: int) -> None:
@@ -1260,8 +1275,7 @@ class OffloadCore:
         """RELEASED: the one place device pages are returned (F2-F8). Runs once per
         lifecycle because RELEASED is terminal in the table."""
         assert lc.inflight == 0 and lc._deferred_since is None, "released with a copy pending"
-        pages = lc.device_pages
-        lc.device_pages = []
+        pages = lc.device_pages  # still listed until the engine was told (on_released)
         self.device_pool.free(pages)
         lc._tail = lc._tail[:0]
         outcome = Outcome.ABORTED if lc._aborted else Outcome.FAILED if lc._failed else Outcome.COMPLETED
@@ -1284,6 +1298,16 @@ class OffloadCore:
             lc._released_ev = None
             ev.set()
         self._notify_quiet(lc)
+
+    def told(self, released: Iterable[Lifecycle]) -> None:
+        """The engine was told about ``released`` (``on_released`` ran): they stop
+        listing their device pages. Until then a RELEASED lifecycle still lists the
+        pages it held - already back in the pool (owned mode) or the engine's to free -
+        so its callback can hand them back. Whoever receives released lifecycles from
+        the core (the drivers, :class:`_DirectHost`) calls this once it told the engine."""
+        for lc in released:
+            if lc._s == _RELEASED:
+                lc.device_pages = []
 
     def _take_released(self) -> list[Lifecycle]:
         out = self._released

@@ -9,6 +9,8 @@ writes back to the core, and tells the engine which lifecycles were released.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import threading
 import time
@@ -21,7 +23,7 @@ from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import ConfigError, KVOffloadError, StorageError
+from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import Lifecycle, wrong_thread
 from kvoffload.lifecycle.table import validate
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, HostPool
     from kvoffload.storage.writer import WritePolicy
 
-__all__ = ["DriverBase", "parked"]
+__all__ = ["DriverBase", "check_timeout", "first_error", "parked"]
 
 _spec_validated = False
 
@@ -54,6 +56,33 @@ def parked() -> int:
     with _PARKED_LOCK:
         _PARKED[:] = [(b, bufs) for b, bufs in _PARKED if not b.join(0)]
         return len(_PARKED)
+
+
+def first_error(errors: list[BaseException], done: str | None = None) -> BaseException:
+    """The first of ``errors`` (callback errors, in order), with a note naming the
+    others and, with ``done``, a note saying what completed regardless."""
+    first = errors[0]
+    if done is not None:
+        first.add_note(f"kvoffload: raised by an on_released callback during {done}")
+    if len(errors) > 1:
+        rest = "; ".join(repr(e) for e in errors[1:8])
+        more = f" (and {len(errors) - 8} more)" if len(errors) > 8 else ""
+        first.add_note(f"kvoffload: {len(errors) - 1} more callback error(s): {rest}{more}")
+    return first
+
+
+def check_timeout(what: str, timeout: object) -> float | None:
+    """``timeout`` as seconds: ``None`` (for ever) or a number >= 0 (``inf`` is for
+    ever too). A bool, a str, nan or a negative number raises
+    :class:`~kvoffload.ConfigError` naming ``what``: nothing was waited for."""
+    if timeout is None:
+        return None
+    seconds = float(timeout) if isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) else -1.0
+    if not seconds >= 0:  # nan, negative, or not a number
+        raise ConfigError(
+            f"{what}: timeout must be None or a number of seconds >= 0 (not nan), got {timeout!r}"
+        )
+    return None if math.isinf(seconds) else seconds
 
 
 class DriverBase:
@@ -120,6 +149,14 @@ class DriverBase:
         self._owner: int | None = None
         self._open = False
         self._closed = False
+        # _calls: lc.finish() / lc.abort() made by a listener while the driver applies a
+        # delivery step to the core (completions, finished writes, timers): applied, in
+        # order, once the step is done (_apply_calls); None outside such a step.
+        # Invariant: self._calls is None or the driver is inside _delivering()
+        self._calls: list[tuple[bool, Lifecycle]] | None = None
+        # _errors: while a wait or a close runs to its end, the errors of on_released
+        # callbacks (and of deferred calls), raised once it is done; None otherwise.
+        self._errors: list[BaseException] | None = None
 
     def _pools(self, config: OffloadConfig, device_kv: Any, host_buffer: Any) -> tuple[Any, HostPool]:
         """Owned mode: the backend's device and host pools. Engine-owned mode
@@ -207,6 +244,11 @@ class DriverBase:
     def _check_open(self, what: str) -> None:
         self._check_owner(what)
         if not self._open:
+            if self._closed:
+                raise ManagerClosed(
+                    f"{what} needs an open manager, but this {self._kind} is closed (closing aborted "
+                    "every live lifecycle); nothing was changed"
+                )
             raise KVOffloadError(f"{what} needs an open manager: {self._open_hint()}")
 
     def _open_hint(self) -> str:
@@ -289,31 +331,104 @@ class DriverBase:
     # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
 
     def finish_lifecycle(self, lc: Lifecycle) -> None:
-        """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``."""
-        self._released(self.core.finish(lc), raise_errors=True)
+        """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``.
+        From a listener during a delivery step (or another finish or abort): applied
+        once that step is done. A listener's calls during this one wait for it."""
+        calls = self._calls
+        if calls is not None:
+            calls.append((False, lc))
+            return
+        self._calls = []  # a listener's call during the flush waits for the finish
+        try:
+            released = self.core.finish(lc)
+        finally:
+            more, errors = self._apply_calls()
+        self._released(released + more, raise_errors=True, errors=errors)
 
     def abort_lifecycle(self, lc: Lifecycle) -> None:
-        """``lc.abort()``: the core's step, then ``on_released`` if it released ``lc``."""
-        self._released(self.core.abort(lc), raise_errors=True)
-
-    def _released(self, released: list[Lifecycle], raise_errors: bool = False) -> None:
-        """Tell the engine: ``on_released(lc)`` for each, on the owner thread, after the
-        core's ledger is consistent. A callback that raises is logged
-        (``manager.on_released_failed``) and the others still run; with ``raise_errors``
-        the first error then reaches the caller of the call that released."""
-        cb = self.on_released
-        if cb is None or not released:
+        """``lc.abort()``: the core's step, then ``on_released`` if it released ``lc``.
+        From a listener during a delivery step (or another finish or abort): applied
+        once that step is done. A listener's calls during this one wait for it."""
+        calls = self._calls
+        if calls is not None:
+            calls.append((True, lc))
             return
-        first: BaseException | None = None
-        for lc in released:
-            try:
-                cb(lc)
-            except Exception as exc:
-                logger.error("manager.on_released_failed", lifecycle=lc.id, rid=lc.rid, error=repr(exc))
-                if first is None:
-                    first = exc
-        if first is not None and raise_errors:
-            raise first
+        self._calls = []  # a listener's call during the abort waits for it
+        try:
+            released = self.core.abort(lc)
+        finally:
+            more, errors = self._apply_calls()
+        self._released(released + more, raise_errors=True, errors=errors)
+
+    def _delivering(self) -> bool:
+        """Start a delivery step: from now on a listener's ``lc.finish()`` / ``lc.abort()``
+        is held (it would change a lifecycle the core is in the middle of changing, and
+        lose the rest of the batch) until :meth:`_apply_calls`. False when a step is
+        already under way (a nested one leaves the applying to the outer)."""
+        if self._calls is not None:
+            return False
+        self._calls = []
+        return True
+
+    def _apply_calls(self) -> tuple[list[Lifecycle], list[BaseException]]:
+        """End a delivery step: apply the calls held during it, in order; returns what
+        they released and the errors of the calls no longer legal (``finish()`` of a
+        lifecycle the step released), each logged (``manager.step_failed``); the driver
+        raises those like ``on_released`` errors (:meth:`_released`)."""
+        released: list[Lifecycle] = []
+        errors: list[BaseException] = []
+        core = self.core
+        while self._calls:  # a call may release a lifecycle whose listener calls again
+            calls, self._calls = self._calls, []
+            for abort, lc in calls:
+                try:
+                    if abort:
+                        if not lc.released:  # released by the step itself: a no-op
+                            released += core.abort(lc)
+                    else:
+                        released += core.finish(lc)
+                except KVOffloadError as exc:
+                    logger.error(
+                        "manager.step_failed",
+                        step="abort" if abort else "finish",
+                        lifecycle=lc.id,
+                        error=repr(exc),
+                    )
+                    errors.append(exc)
+        self._calls = None
+        return released, errors
+
+    def _released(
+        self, released: list[Lifecycle], raise_errors: bool = False, errors: list[BaseException] | None = None
+    ) -> None:
+        """Tell the engine: ``on_released(lc)`` for each, on the owner thread, after the
+        core's ledger is consistent. ``lc.device_pages`` still lists the lifecycle's
+        pages while its callback runs and is ``[]`` once every callback returned. A
+        callback that raises is logged (``manager.on_released_failed``) and the others
+        still run; with ``raise_errors`` the first error then reaches the caller of the
+        call that released (the others in its notes) - or, while a wait or a close runs
+        to its end (:attr:`_errors`), is kept for it to raise at the end. ``errors``:
+        earlier errors of the same step (held calls), which come first."""
+        errors = [] if errors is None else list(errors)
+        cb = self.on_released
+        try:
+            if cb is not None:
+                for lc in released:
+                    try:
+                        cb(lc)
+                    except Exception as exc:
+                        logger.error(
+                            "manager.on_released_failed", lifecycle=lc.id, rid=lc.rid, error=repr(exc)
+                        )
+                        errors.append(exc)
+        finally:
+            self.core.told(released)  # the engine was told: no page id stays listed
+        if not errors:
+            return
+        if self._errors is not None:
+            self._errors += errors
+        elif raise_errors:
+            raise first_error(errors)
 
     # --- storage reads (keys) ---------------------------------------------------------------
 

@@ -25,8 +25,8 @@ import anyio
 from kvoffload.abc import Completion, EventBackend, Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
-from kvoffload.drivers._base import DriverBase
-from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError
+from kvoffload.drivers._base import DriverBase, first_error
+from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, ManagerClosed
 from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
@@ -158,6 +158,10 @@ class OffloadManager(DriverBase):
         timeout = self.config.drain_timeout_s
         start = time.monotonic()
         error: DrainTimeout | None = None
+        # Callback errors while leaving (the drain's deliveries, the close's aborts) are
+        # kept, and the first raised once the manager is closed (a body's error wins).
+        errors: list[BaseException] = []
+        self._errors = errors
         # After an error in the body, copies that nobody will complete (sim) are not
         # waited for; their pages stay allocated, so nothing is freed under them.
         drain = exc is None or self.backend.completes_on_its_own
@@ -176,7 +180,10 @@ class OffloadManager(DriverBase):
                 )
                 error = DrainTimeout(self._drain_error("left the manager", timeout))
         finally:
-            await self._shut_down(start, timeout)
+            try:
+                await self._shut_down(start, timeout)
+            finally:
+                self._errors = None
         if not self._joined and drain and exc is None:
             detail = self._park()
             if error is None:
@@ -185,8 +192,13 @@ class OffloadManager(DriverBase):
                 error = DrainTimeout(f"{error}; {detail}")
         elif not self._joined:
             self._park()
+        callback = (
+            first_error(errors, "leaving the manager, which completed: it is closed") if errors else None
+        )
         if error is not None and exc is None and drain:
-            raise error
+            raise error from callback
+        if callback is not None and exc is None:
+            raise callback
         return None
 
     async def _shut_down(self, start: float, timeout: float | None) -> None:
@@ -262,30 +274,47 @@ class OffloadManager(DriverBase):
     def _deliver(self, batch: list[Completion]) -> None:
         """Apply ``batch`` to the core (a loop callback); a failure is logged, never
         raised into the loop (F20)."""
+        outer = self._delivering()  # a listener's lc.abort() waits for the batch
         try:
             released = self._complete(batch)
         except Exception as exc:  # pragma: no cover - a kvoffload bug; the ledger check will say
             logger.error("manager.step_failed", step="deliver", error=repr(exc))
             released = []
+        finally:
+            more, errors = self._apply_calls() if outer else ([], [])
         self._delivered += len(batch)
-        self._after_step(released)
+        self._after_step(released + more, errors)
 
-    def _after_step(self, released: list[Lifecycle]) -> None:
+    def _after_step(self, released: list[Lifecycle], errors: list[BaseException] | None = None) -> None:
         """After a core step off the caller's path: start the writes it queued, launch
-        the copies it made due, tell the engine, wake the waiters."""
+        the copies it made due, tell the engine, wake the waiters. Callback errors (and
+        ``errors``, of the listeners' held calls) are logged; while the manager is being
+        left they are kept and the first is raised once it is closed."""
         writer = self._writer
         if writer is not None:
             jobs = self.core.take_writes()
             if jobs:
                 self._writes_queued += len(jobs)
                 writer.put(jobs)
-        self._released(released)
-        self._wake_progress()
+        try:
+            self._released(released, errors=errors)
+        finally:
+            self._wake_progress()
+
+    def _core_step(self, step: Callable[[], list[Lifecycle]]) -> None:
+        """Run a core step off the caller's path (a finished write, the timers, a retry
+        of deferred chunks); a listener's lc.abort() in it waits for the step."""
+        outer = self._delivering()
+        try:
+            released = step()
+        finally:
+            more, errors = self._apply_calls() if outer else ([], [])
+        self._after_step(released + more, errors)
 
     def _write_finished(self, result: WriteResult) -> None:
         job, stored, attempts, error = result
         self._writes_done += 1
-        self._after_step(self.core.write_done(job.id, stored, attempts=attempts, error=error))
+        self._core_step(lambda: self.core.write_done(job.id, stored, attempts=attempts, error=error))
 
     def _wake_progress(self) -> None:
         ev = self._progress_ev
@@ -313,7 +342,7 @@ class OffloadManager(DriverBase):
     async def _wait_progress(self) -> None:
         """Wait for the next delivery batch or finished write (or the close)."""
         if self._closed:
-            raise KVOffloadError("the manager is closed: nothing will deliver or write what is left")
+            raise ManagerClosed("the manager is closed: nothing will deliver or write what is left")
         if self._progress_ev is None:
             self._progress_ev = anyio.Event()
         if self.backend.needs_polling:
@@ -332,7 +361,7 @@ class OffloadManager(DriverBase):
         while core.busy:
             await self._wait_progress()
             if core.deferred:
-                self._after_step(core.pump())
+                self._core_step(core.pump)
 
     async def wait_lifecycle(self, lc: Lifecycle, released: bool) -> None:
         """Wait until ``lc`` is RELEASED (``released``) or quiescent. Raises
@@ -340,9 +369,7 @@ class OffloadManager(DriverBase):
         still in flight or deferred: nothing will finish it."""
         while not (lc.released if released else lc.quiescent):
             if self._closed and not lc.quiescent:
-                raise KVOffloadError(
-                    f"{lc!r}: the manager is closed; its chunk in flight will never complete"
-                )
+                raise ManagerClosed(f"{lc!r}: the manager is closed; its chunk in flight will never complete")
             # One waker per lifecycle and kind, shared by every waiter (the core sets it once).
             ev = lc._released_ev if released else lc._quiet_ev
             if ev is None:
@@ -363,7 +390,7 @@ class OffloadManager(DriverBase):
         """Run the time-based checks now (deferral expiry, watchdog). The timer task calls
         this every ``watchdog_interval_s``; tests with a virtual clock call it."""
         self._check_owner("tick()")
-        self._after_step(self.core.tick())
+        self._core_step(self.core.tick)
 
     async def _tick_loop(self) -> None:
         cfg = self.config

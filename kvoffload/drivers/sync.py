@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
-from kvoffload.drivers._base import DriverBase
+from kvoffload.drivers._base import DriverBase, check_timeout, first_error
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
 from kvoffload.lifecycle.core import Lifecycle
@@ -167,6 +167,14 @@ class SyncOffloadManager(DriverBase):
         Raises :class:`~kvoffload.DrainTimeout` (within the timeout plus a second) naming
         the wedged copies; their buffers are parked, never freed, and their lifecycles
         stay FINISHING with their pages held.
+
+        An ``on_released`` that raises during the drain or the close does not stop it:
+        the close runs to its end (every copy drained, threads stopped, the manager
+        closed), then the first callback error is raised, the others named in its
+        notes (after a ``DrainTimeout`` or a group's error, as its cause). With
+        ``raise_timeout=False`` (leaving a ``with`` block on an error) nothing is raised.
+        A ``timeout`` that is not None or a number >= 0 raises
+        :class:`~kvoffload.ConfigError`, nothing closed.
         """
         self._check_owner("close()")
         if self._closed:
@@ -175,15 +183,26 @@ class SyncOffloadManager(DriverBase):
             raise KVOffloadError("this SyncOffloadManager was never opened")
         if timeout is None:
             timeout = self.config.drain_timeout_s
+        timeout = check_timeout("close()", timeout)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         core = self.core
         group_error: KVOffloadError | None = None
+        # Callback errors are kept until the close is done (not raised out of the drain).
+        outer = self._errors is None
+        errors: list[BaseException] = []
+        if outer:
+            self._errors = errors
         try:
-            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
-        except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
-            group_error = exc  # finish it with this rank's own copies, then say so
-            timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+            try:
+                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+            except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
+                group_error = exc  # finish it with this rank's own copies, then say so
+                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+        except BaseException:  # not closed (e.g. KeyboardInterrupt): callbacks raise again
+            if outer:
+                self._errors = None
+            raise
         message = self._drain_error("closed the manager", timeout) if timed_out else None
         if timed_out:
             logger.error(
@@ -198,6 +217,8 @@ class SyncOffloadManager(DriverBase):
         try:
             self._released(core.close())
         finally:
+            if outer:
+                self._errors = None
             self.backend.close()
             grace = None if deadline is None else max(0.0, deadline - time.monotonic()) + _JOIN_GRACE_S
             joined = self.backend.join(grace)
@@ -211,10 +232,15 @@ class SyncOffloadManager(DriverBase):
         if not joined:
             detail = self._park()
             message = f"{message}; {detail}" if message else f"closed the manager after {timeout}s: {detail}"
-        if message is not None and raise_timeout:
-            raise DrainTimeout(message) from group_error
-        if group_error is not None and raise_timeout:
-            raise group_error
+        if not raise_timeout:
+            return
+        callback = first_error(errors, "close(), which completed: the manager is closed") if errors else None
+        if message is not None:
+            raise DrainTimeout(message) from (group_error or callback)
+        if group_error is not None:
+            raise group_error from callback
+        if callback is not None:
+            raise callback
 
     # --- driving -------------------------------------------------------------------------
 
@@ -262,6 +288,28 @@ class SyncOffloadManager(DriverBase):
         rank."""
         backend = self.backend
         backend.launch()
+        outer = self._delivering()  # a listener's lc.abort() waits for the batch
+        try:
+            n, late, released = self._deliver_step(max_completions, kind, late)
+        except BaseException:
+            if outer:
+                self._released(self._apply_calls()[0])  # told (errors logged); the error goes on
+            raise
+        errors: list[BaseException] = []
+        if outer:
+            more, errors = self._apply_calls()
+            released += more
+        backend.launch()  # what a retried deferred chunk (or a held call's flush) submitted
+        if released or errors:
+            self._released(released, raise_errors=True, errors=errors)
+        return n, late
+
+    def _deliver_step(
+        self, max_completions: int | None, kind: int, late: bool
+    ) -> tuple[int, bool, list[Lifecycle]]:
+        """The core's part of :meth:`_step`: returns (completions delivered, late, the
+        lifecycles released)."""
+        backend = self.backend
         core = self.core
         writer = self._writer
         tp = self._tp
@@ -298,10 +346,7 @@ class SyncOffloadManager(DriverBase):
                 released += core.tick()
                 if writer is not None:
                     self._start_writes(writer)
-        backend.launch()  # what a retried deferred chunk submitted
-        if released:
-            self._released(released, raise_errors=True)
-        return n, late
+        return n, late, released
 
     def _start_writes(self, writer: ThreadWriter) -> None:
         """Hand the writes the core queued to the writer (under a group, on a rank that
@@ -329,7 +374,12 @@ class SyncOffloadManager(DriverBase):
         """Run the time-based checks now (deferral expiry, watchdog); :meth:`poll` runs
         them every ``watchdog_interval_s``. Tests with a virtual clock call this."""
         self._check_open("tick()")
-        self._released(self.core.tick(), raise_errors=True)
+        outer = self._delivering()
+        try:
+            released = self.core.tick()
+        finally:
+            more, errors = self._apply_calls() if outer else ([], [])
+        self._released(released + more, raise_errors=True, errors=errors)
 
     @property
     def writes_pending(self) -> int:
@@ -338,9 +388,10 @@ class SyncOffloadManager(DriverBase):
 
     def wait_progress(self, timeout: float | None) -> None:
         """Block until the backend or the storage writer has something for :meth:`poll`,
-        at most ``timeout`` seconds (and at most a short slice)."""
+        at most ``timeout`` seconds (and at most a short slice). A ``timeout`` that is not
+        None or a number >= 0 raises :class:`~kvoffload.ConfigError`."""
         self._check_owner("wait_progress()")
-        self._wait(timeout)
+        self._wait(check_timeout("wait_progress()", timeout))
 
     def _wait(self, timeout: float | None) -> None:
         """Block until the backend or the writer has something, at most a short slice."""
@@ -359,24 +410,61 @@ class SyncOffloadManager(DriverBase):
         still in flight after ``timeout`` seconds (``None``: for ever). The barrier
         before retraction: when it returns, no copy reads any lifecycle's pages. With a
         group, a collective: it returns on every rank once no rank has a copy in
-        flight, or raises ``DrainTimeout`` on every rank once the timeout passed on any."""
+        flight, or raises ``DrainTimeout`` on every rank once the timeout passed on any.
+
+        An ``on_released`` that raises does not end the wait: the rest of its batch is
+        delivered and the wait goes on to its end; then the first callback error is
+        raised (a note says the wait completed; the others are named in its notes), or
+        is the cause of the ``DrainTimeout``. A ``timeout`` that is not None or a number
+        >= 0 (nan, negative, a str, a bool) raises :class:`~kvoffload.ConfigError` at once."""
         self._check_open("quiesce()")
+        timeout = check_timeout("quiesce()", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         core = self.core
-        if not self._until(lambda: not core.inflight, deadline, QUIESCE):
+        done, errors = self._until_end(lambda: not core.inflight, deadline, QUIESCE)
+        if not done:
             stuck = list(core.inflight.values())
             raise DrainTimeout(
                 f"quiesce: {len(stuck)} copies still in flight after {timeout}s: {stuck[:4]!r}"
-            )
+            ) from (first_error(errors, "quiesce()") if errors else None)
+        if errors:
+            raise first_error(errors, "quiesce(), which completed: no copy is in flight")
 
     def wait_released(self, lc: Lifecycle, timeout: float | None = None) -> None:
         """Poll until ``lc`` is RELEASED; :class:`~kvoffload.DrainTimeout` after
         ``timeout`` seconds (``None``: for ever). A collective with a group, as
-        :meth:`quiesce`."""
+        :meth:`quiesce`; callback errors and bad timeouts as there. A lifecycle this
+        manager did not admit raises :class:`~kvoffload.KVOffloadError` at once."""
         self._check_open("wait_released()")
+        if not isinstance(lc, Lifecycle) or lc._core is not self.core:
+            raise KVOffloadError(
+                f"wait_released({lc!r}): not a lifecycle of this manager (another manager admitted "
+                "it, or it is no Lifecycle): only its own manager delivers its completions"
+            )
+        timeout = check_timeout("wait_released()", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._until(lambda: lc.released, deadline, WAIT):
-            raise DrainTimeout(f"{lc!r} was not released within {timeout}s")
+        done, errors = self._until_end(lambda: lc.released, deadline, WAIT)
+        if not done:
+            raise DrainTimeout(f"{lc!r} was not released within {timeout}s") from (
+                first_error(errors, "wait_released()") if errors else None
+            )
+        if errors:
+            raise first_error(errors, f"wait_released(), which completed: {lc!r} is released")
+
+    def _until_end(
+        self, done: Callable[[], bool], deadline: float | None, kind: int
+    ) -> tuple[bool, list[BaseException]]:
+        """:meth:`_until`, keeping the callback errors of its steps (logged) to the end
+        instead of leaving the wait at the first: (whether ``done()``, the errors)."""
+        outer = self._errors is None
+        errors: list[BaseException] = []
+        if outer:
+            self._errors = errors
+        try:
+            return self._until(done, deadline, kind), errors
+        finally:
+            if outer:
+                self._errors = None
 
     def _until(self, done: Callable[[], bool], deadline: float | None, kind: int) -> bool:
         """Deliver as :meth:`poll` does until ``done()``; False once ``deadline``

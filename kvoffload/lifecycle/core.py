@@ -139,10 +139,13 @@ class Lifecycle:
     #   one observes events (the full path emits them), else -1.
     # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail
     #   and not core.observed else -1)
-    # device_pages: the device pages holding this request's KV, in token order.
+    # device_pages: the device pages holding this request's KV, in token order; at
+    #   RELEASED still the pages it held while on_released(lc) runs (the engine frees
+    #   them from there), then [] once the call that released it told the engine.
     # _cap: tokens the device pages can hold; changed only where device pages are added.
     # Invariant: self._cap == len(self.device_pages) * page_size
-    # Invariant: len(self.device_pages) == ceil(self.committed / page_size) while live; [] once RELEASED
+    # Invariant: len(self.device_pages) == ceil(self.committed / page_size) while live; [] once
+    #   RELEASED and the driver's on_released calls for it returned
     # inflight: chunks submitted and not yet delivered.
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
     # _deferred_since: clock time a chunk started waiting for host pages, else None.
@@ -295,7 +298,10 @@ class Lifecycle:
     def finish(self) -> None:
         """The request finished decoding: flush the page-aligned remainder (F12), then
         go to FINISHING until the last in-flight chunk completes, or straight to
-        RELEASED when nothing is in flight. Legal in PENDING and OFFLOADING."""
+        RELEASED when nothing is in flight. Legal in PENDING and OFFLOADING (else
+        :class:`~kvoffload.InvalidTransition`; :class:`~kvoffload.ManagerClosed` once the
+        manager closed). Called by a listener while the manager delivers a batch, it is
+        applied once the batch is (an error then comes out of the manager's call)."""
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.finish()")
         self._core.host.finish_lifecycle(self)
@@ -303,9 +309,18 @@ class Lifecycle:
     def abort(self) -> None:
         """Stop offloading: no new chunks; in-flight ones are discarded when they
         complete (host pages freed, nothing stored); RELEASED with outcome ABORTED
-        after the last one. Legal in every live state."""
+        after the last one. Legal in every live state.
+
+        A no-op on a RELEASED lifecycle (a client disconnect racing the request's own
+        finish) and after the manager closed (closing aborted it): returns None and
+        changes nothing - no event, outcome and counters as they were. (``finish()``
+        after RELEASED stays an :class:`~kvoffload.InvalidTransition`.) Called by a
+        listener while the manager delivers a batch, it is applied once the batch is
+        (the lifecycle changes before the manager's call returns)."""
         if get_ident() != self._owner:
             raise wrong_thread(self._owner, "Lifecycle.abort()")
+        if self._s == 3 or (self._aborted and self._core.closing):
+            return
         self._core.host.abort_lifecycle(self)
 
     # --- waiting (asyncio manager) ---------------------------------------------------

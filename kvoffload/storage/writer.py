@@ -106,6 +106,14 @@ def page_bytes(pool: HostPool, host_pages: list[int]) -> list[bytes]:
     return [flat[i].tobytes() for i in range(len(host_pages))]
 
 
+def _cancelling() -> bool:
+    """Whether the running task was asked to cancel (``Task.cancel()``, an anyio cancel
+    scope): then a ``CancelledError`` is the caller's. A store that raises one of its
+    own (a client's cancelled future) while nobody cancelled the task fails the write."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 async def write_job(
     storage: Storage,
     pool: HostPool,
@@ -116,7 +124,10 @@ async def write_job(
     threaded_read: bool = True,
 ) -> WriteResult:
     """Write ``job``'s pages under its keys with bounded retries (fewer while the store
-    is down). Never raises a storage failure: it is the result; cancellation propagates.
+    is down). Never raises a storage failure - any exception the store raises,
+    ``BaseException`` subclasses such as its own ``asyncio.CancelledError`` included, is
+    the result (STYLE 13); only ``KeyboardInterrupt``, ``SystemExit`` and a cancellation
+    of the writer's own task propagate.
 
     The store reads the pages from the host pool (``Storage.put_pages``): they are held
     until the core hears the result, so they are stable for every attempt; how it reads
@@ -128,7 +139,11 @@ async def write_job(
             await anyio.sleep(policy.backoff(attempt - 1))
         try:
             await storage.put_pages(job.keys, pool, job.host_pages)
-        except Exception as exc:  # a store may raise anything; it is this chunk's failure
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a store may raise anything; it is this chunk's failure
+            if isinstance(exc, asyncio.CancelledError) and _cancelling():
+                raise  # the writer itself is cancelled (the manager is closing), not the store
             error = exc
             continue
         state.down = False
@@ -218,7 +233,12 @@ class ThreadWriter(threading.Thread):
                 job = await self._queue.get()
                 if job is None:
                     return
-                result = await write_job(self.storage, self._pool, job, self._policy, self._state)
+                try:
+                    result = await write_job(self.storage, self._pool, job, self._policy, self._state)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as exc:  # never the writer: this write fails, the thread goes on
+                    result = (job, False, 1, exc)
                 with self._lock:
                     self._results.append(result)
                     self._inflight -= 1

@@ -322,3 +322,57 @@ async def test_poll_mode_offloads_end_to_end_on_the_gpu() -> None:
             await lc.wait_released()
             assert lc.outcome is kvo.Outcome.COMPLETED
         mgr.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_the_waiter_thread_selects_its_gpu_before_it_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By reading (issue 19): a new thread's current CUDA device is GPU 0, so a waiter
+    that never selects its device makes every TP rank's process create a context on
+    GPU 0. The waiter thread calls ``torch.cuda.set_device(device)`` before waiting on
+    any event; here ``set_device`` is recorded per thread (no GPU needed)."""
+    selected: dict[int, Any] = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: selected.__setitem__(threading.get_ident(), d))
+    device = torch.device("cuda", 3)
+    seen: list[Any] = []
+
+    class DeviceEvent(FakeEvent):
+        def query(self) -> bool:  # the device current on the thread that waits
+            seen.append(selected.get(threading.get_ident()))
+            return super().query()
+
+    inbox = CompletionInbox()
+    inbox.bind()
+    stream = EventStream("gpu3-wait", inbox, CopyHooks(), lambda e: None, None, True, device=device)
+    stream.start()
+    ev = DeviceEvent("0")
+    ev.done.set()
+    stream.put(InFlight(_T(0), ev))  # type: ignore[arg-type]
+    with anyio.fail_after(20):
+        got = await inbox.wait()
+    stream.close()
+    await anyio.to_thread.run_sync(stream.join)
+    assert [t.id for t, _ in got] == [0]
+    assert seen and all(d == device for d in seen), seen
+
+
+def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
+    """The backend hands its device to every waiter it makes (the wiring of the test
+    above; the backend's constructor needs a GPU, so it is skipped here and the pieces
+    ``_make_worker`` reads are set by hand: a stand-in for torch.cuda.Stream)."""
+    from types import SimpleNamespace
+
+    from kvoffload.backends._threaded import ThreadedBackend
+    from kvoffload.backends.cuda import CudaBackend, _EventPool
+
+    backend = CudaBackend.__new__(CudaBackend)
+    ThreadedBackend.__init__(backend, 1)
+    backend.device = torch.device("cuda", 2)
+    backend.completion = "waiter"
+    backend._run_threads = True
+    backend._events = _EventPool(lambda: FakeEvent("pool"))
+    backend._torch = SimpleNamespace(cuda=SimpleNamespace(Stream=lambda device: ("side stream", device)))
+    worker = backend._make_worker(0)
+    assert worker.device == torch.device("cuda", 2) and worker.stream == (
+        "side stream",
+        torch.device("cuda", 2),
+    )
