@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,22 +57,29 @@ EVENT_NAMES: dict[str, str] = {
 
 Listener = Callable[[str, dict[str, Any]], None]
 
-#: Rate limits of ``listener.failed`` lines, by event name.
-_LISTENER_FAILURES: dict[str, RateLimit] = {}
 
-
-def notify_listeners(listeners: list[Listener], name: str, fields: dict[str, Any]) -> None:
+def notify_listeners(
+    listeners: list[Listener],
+    name: str,
+    fields: dict[str, Any],
+    limits: dict[str, RateLimit],
+    clock: Callable[[], float],
+) -> None:
     """Call every listener with event ``name``. The core calls this in the middle of a
     synchronous step: a listener that raises is logged (``listener.failed``) and the
-    step goes on, so a listener's bug never leaves the ledger half changed."""
+    step goes on, so a listener's bug never leaves the ledger half changed.
+
+    ``limits``: the caller's rate limits of ``listener.failed`` lines, by event name,
+    read on the caller's ``clock`` (one manager's state: another manager's failures, or
+    the wall clock, never silence this one's first line)."""
     for fn in tuple(listeners):  # a listener may remove itself (or another) while called
         try:
             fn(name, fields)
         except Exception as exc:
-            limit = _LISTENER_FAILURES.get(name)
+            limit = limits.get(name)
             if limit is None:
-                limit = _LISTENER_FAILURES[name] = RateLimit()
-            held = limit.due(time.monotonic())
+                limit = limits[name] = RateLimit()
+            held = limit.due(clock())
             if held:  # a listener that fails on every event: a line per event name per interval
                 logger.error(
                     "listener.failed",

@@ -223,6 +223,9 @@ class OffloadCore:
         # Rate limits of the warnings that come in bursts (F9: no log line every step).
         self._drop_log = RateLimit()
         self._failure_log = RateLimit()
+        # listener_failures: rate limits of this core's listener.failed lines, by event
+        # name, on this core's clock (never shared with another core: F39).
+        self.listener_failures: dict[str, RateLimit] = {}
         self._refusal_log = RateLimit()
         self._burst = _Burst()
 
@@ -1216,7 +1219,7 @@ class OffloadCore:
         n = len(job.host_pages)
         fields: dict[str, object] = {"lifecycle": job.lifecycle_id, "rid": job.rid, "transfer": job.id}
         fields.update(pages=n, bytes=n * self.page_bytes, t=self.clock(), **extra)
-        notify_listeners(self.listeners, name, fields)
+        notify_listeners(self.listeners, name, fields, self.listener_failures, self.clock)
         return fields
 
     # --- time ---------------------------------------------------------------------------
@@ -1323,7 +1326,7 @@ class OffloadCore:
         fields["rid"] = lc.rid
         fields["t"] = self.clock()
         if self.listeners:
-            notify_listeners(self.listeners, name, fields)
+            notify_listeners(self.listeners, name, fields, self.listener_failures, self.clock)
         if DEBUG.on:
             log = lc._log
             if log is None:

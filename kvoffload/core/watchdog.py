@@ -69,6 +69,8 @@ def report_stuck(mgr: OffloadCore) -> None:
                 "seconds": age,
                 "t": mgr.clock(),
             },
+            mgr.listener_failures,
+            mgr.clock,
         )
     inflight = mgr.inflight
     for tid in [tid for tid in reported if tid not in inflight]:
