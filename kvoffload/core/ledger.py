@@ -133,8 +133,13 @@ def check(mgr: OffloadCore) -> None:
         lambda: "pages: submitted != inflight + copied + discarded + failed",
     )
     expect(
-        c.pages_copied == c.pages_stored + c.pages_store_failed + c.pages_in_write + c.pages_not_stored,
-        lambda: "pages: copied != stored + store_failed + in_write + not_stored",
+        c.pages_copied
+        == c.pages_stored
+        + c.pages_store_failed
+        + c.pages_store_skipped
+        + c.pages_in_write
+        + c.pages_not_stored,
+        lambda: "pages: copied != stored + store_failed + store_skipped + in_write + not_stored",
     )
     expect(
         all(lc._deferred_since is not None for lc in mgr.deferred),
