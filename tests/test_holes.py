@@ -15,19 +15,19 @@ fast the machine runs (F39).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 import kvoffload as kvo
-from kvoffload.abc import WriteChain, WriteJob
+from kvoffload.abc import Transfer, WriteChain, WriteJob
+from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import StorageError
+from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.pools import HostPool
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.storage.writer import WritePolicy, WriterState, write_job
-from kvoffload.testing import SimBackend, manager_in_task
-
-pytestmark = pytest.mark.asyncio
+from kvoffload.testing import CoreLifecycleMachine, SimBackend, manager_in_task
 
 ONE_TRY = WritePolicy(attempts=1, backoff_s=0)
 
@@ -73,6 +73,7 @@ def _config(**kw: object) -> kvo.OffloadConfig:
 # --- F33: a failed copy -----------------------------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_a_failed_copy_stops_offload_at_the_hole_and_nothing_after_it_is_stored() -> None:
     """F33, the measured schedule: page_size 4, stride 4, memory store. admit [0..3],
     extend [4..8], extend [9..12]; the first copy fails, the second completes, extend
@@ -105,6 +106,7 @@ async def test_a_failed_copy_stops_offload_at_the_hole_and_nothing_after_it_is_s
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_every_stored_page_stays_reachable_by_lookup_after_a_failed_copy() -> None:
     """F33 with the prompt offloaded: the prompt page is stored, the next page's copy
     fails, a later one completes. What is stored is exactly the prefix lookup reaches."""
@@ -132,6 +134,7 @@ async def test_every_stored_page_stays_reachable_by_lookup_after_a_failed_copy()
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_a_chunk_copied_before_an_earlier_chunk_fails_is_never_written() -> None:
     """Copies of one lifecycle may complete in any order (sim): a later chunk that
     completes first waits, so its pages are not written ahead of the earlier ones; when
@@ -157,6 +160,7 @@ async def test_a_chunk_copied_before_an_earlier_chunk_fails_is_never_written() -
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_chunks_of_one_lifecycle_are_written_in_chain_order_whatever_order_they_copy() -> None:
     """Without a failure, a later chunk that copies first is written after the earlier
     one, so the store never holds a page whose predecessor is missing."""
@@ -181,6 +185,7 @@ async def test_chunks_of_one_lifecycle_are_written_in_chain_order_whatever_order
 # --- F33: a failed storage write ----------------------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_a_failed_write_is_a_hole_the_later_chunks_are_not_written_after() -> None:
     """F33 in the store: chunk k's write fails while chunk k+1's would succeed. The
     writer skips k+1 (its chain broke: reported not stored, host pages returned), the
@@ -207,6 +212,7 @@ async def test_a_failed_write_is_a_hole_the_later_chunks_are_not_written_after()
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_a_write_that_fails_after_release_is_counted_on_the_lifecycle() -> None:
     """The write-behind may finish after the lifecycle was released: a write failure
     then still shows in ``lc.pages_lost`` (and the statistics) once the write is done."""
@@ -226,6 +232,7 @@ async def test_a_write_that_fails_after_release_is_counted_on_the_lifecycle() ->
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_the_writer_skips_a_job_whose_chain_broke_and_marks_the_chain_on_failure() -> None:
     """write_job: a failure marks the job's chain broken; a later job of that chain is
     not written at all (0 attempts, a StorageError that says why)."""
@@ -250,6 +257,7 @@ async def test_the_writer_skips_a_job_whose_chain_broke_and_marks_the_chain_on_f
 # --- the time-dependent path: a deferred chunk expires, a later stride goes out -----------------
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("policy", ["wait", "drop"])
 @pytest.mark.parametrize("batched", [False, True])
 async def test_after_a_deferred_chunk_expires_the_next_chunk_starts_at_the_first_unsent_page(
@@ -301,6 +309,7 @@ async def test_after_a_deferred_chunk_expires_the_next_chunk_starts_at_the_first
 # --- the loss, per lifecycle --------------------------------------------------------------------
 
 
+@pytest.mark.asyncio
 async def test_an_expired_wait_is_visible_on_the_lifecycle_it_cost() -> None:
     """``on_host_full="wait"`` expires after ``host_wait_s``: the request is released
     COMPLETED (it completed), and ``lc.pages_lost`` says how many of its whole pages
@@ -328,6 +337,7 @@ async def test_an_expired_wait_is_visible_on_the_lifecycle_it_cost() -> None:
         mgr.check_invariants()
 
 
+@pytest.mark.asyncio
 async def test_an_aborted_lifecycle_loses_nothing() -> None:
     """An aborted request wanted nothing more stored: its pages_lost stays 0, even when
     one of its copies failed first."""
@@ -343,6 +353,7 @@ async def test_an_aborted_lifecycle_loses_nothing() -> None:
         assert mgr.statistics().pages_lost == 0
 
 
+@pytest.mark.asyncio
 async def test_pages_lost_is_zero_while_live_and_for_a_request_that_stored_everything() -> None:
     """``lc.pages_lost`` is 0 on a live lifecycle and after a clean run."""
     backend = SimBackend()
@@ -357,3 +368,154 @@ async def test_pages_lost_is_zero_while_live_and_for_a_request_that_stored_every
         await mgr.settle()
         assert lc.pages_lost == 0 and mgr.statistics().pages_lost == 0
         assert len(store.puts) == 1 and len(store.puts[0]) == 2
+
+
+# --- the property suite's no-holes check can fail -------------------------------------------------
+
+
+class _KeepsOffloading(OffloadCore):
+    """v2's F33: a failed copy does not stop the lifecycle's offload."""
+
+    def _hole(self, lc: Lifecycle, first: int) -> bool:
+        return False
+
+
+class _WritesInCompletionOrder(OffloadCore):
+    """v2's write-behind: a chunk's write goes out when its copy completes, ahead of an
+    earlier chunk still in flight."""
+
+    def _queue_write(self, t: Transfer) -> None:
+        lc = t.lifecycle
+        job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid, first_token=t.first_token)
+        self.writes[t.id] = job
+        self._write_out.append(job)
+
+
+def _machine(core_class: type[OffloadCore]) -> CoreLifecycleMachine:
+    class Machine(CoreLifecycleMachine):
+        pass
+
+    Machine.core_class = core_class
+    m = Machine()
+    m.open(
+        page_size=4,
+        stride_pages=1,
+        device_pages=24,
+        spare_host_pages=4,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=True,
+        first_prompt=[0, 1, 2, 3],
+    )
+    m.outside_rules_hold()
+    return m
+
+
+def _after_a_failed_copy(m: CoreLifecycleMachine) -> None:
+    m.extend(0, [1, 1, 1, 1, 1])
+    m.extend(0, [2, 2, 2, 2])
+    m.outside_rules_hold()
+    m.fail(0)
+    m.outside_rules_hold()
+    m.extend(0, [3, 3, 3, 3])
+    m.outside_rules_hold()
+
+
+def _a_later_chunk_copied_first(m: CoreLifecycleMachine) -> None:
+    m.extend(0, [1, 1, 1, 1, 1])
+    m.extend(0, [2, 2, 2, 2])
+    m.outside_rules_hold()
+    m.complete(1)
+    m.outside_rules_hold()
+    while m.writes:
+        m.write(0, True)
+        m.outside_rules_hold()
+
+
+@pytest.mark.parametrize(
+    ("mutant", "schedule", "says"),
+    [
+        (_KeepsOffloading, _after_a_failed_copy, "submitted after"),
+        (_WritesInCompletionOrder, _a_later_chunk_copied_first, "a hole in the store"),
+    ],
+)
+def test_the_property_suite_catches_a_chain_with_a_hole(
+    mutant: type[OffloadCore], schedule: Callable[[CoreLifecycleMachine], None], says: str
+) -> None:
+    """The observer's no-holes check (run after every step on every layer) fails on a
+    core that keeps offloading after a failed copy, or writes a later chunk ahead of an
+    earlier one; the same schedules pass on the real core."""
+    schedule(_machine(OffloadCore))
+    with pytest.raises(AssertionError, match=says):
+        schedule(_machine(mutant))
+
+
+def _settle_sync(mgr: kvo.SyncOffloadManager) -> None:
+    """poll() until every signalled completion was delivered and every write finished
+    (the writer is a real thread: waited for with a bound, never a sleep)."""
+    import time
+
+    deadline = time.monotonic() + 10.0
+    mgr.poll()
+    while mgr.ready() or mgr.writes_pending:
+        assert time.monotonic() < deadline, "the sync manager did not settle in 10 s"
+        mgr.poll()
+
+
+def test_the_sync_manager_stops_offload_at_a_failed_copy_and_at_a_failed_write() -> None:
+    """F33 through the sync driver: the measured schedule (a failed copy) and a failed
+    write each leave nothing stored after the hole and the loss on the lifecycle."""
+    backend = SimBackend()
+    store = FailingStore()
+    with kvo.SyncOffloadManager(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
+        lc = mgr.admit("copy", list(range(4)))
+        lc.extend(list(range(4, 9)))
+        lc.extend(list(range(9, 13)))
+        first, second = backend.pending
+        backend.fail(first, RuntimeError("copy failed"))
+        backend.complete(second)
+        _settle_sync(mgr)
+        lc.extend(list(range(13, 17)))
+        assert not backend.pending
+        lc.finish()
+        _settle_sync(mgr)
+        assert lc.released and lc.pages_lost == 3 and store.puts == []
+
+        other = mgr.admit("write", list(range(4)))
+        other.extend(list(range(4, 9)))
+        other.extend(list(range(9, 13)))
+        store.fail_next = 1
+        backend.complete_all()
+        _settle_sync(mgr)
+        other.extend(list(range(13, 17)))
+        assert not backend.pending
+        other.finish()
+        _settle_sync(mgr)
+        assert other.released and other.pages_lost == 3 and store.puts == []
+        s = mgr.statistics()
+        assert (s.pages_store_failed, s.pages_store_skipped, s.pages_lost) == (1, 1, 6)
+        mgr.check_invariants()
+
+
+@pytest.mark.asyncio
+async def test_an_abort_never_writes_a_chunk_that_waited_for_an_earlier_one() -> None:
+    """A chunk copied ahead of an earlier one waits (held); when the request is aborted
+    the earlier copy is discarded, so the waiting one is never written either: its host
+    pages return, counted as skipped."""
+    backend = SimBackend()
+    store = FailingStore()
+    async with manager_in_task(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
+        lc = mgr.admit("r", list(range(4)))
+        lc.extend(list(range(4, 9)))
+        lc.extend(list(range(9, 13)))
+        a, b = backend.pending
+        backend.complete(b)
+        await mgr.settle()
+        lc.abort()
+        backend.complete(a)
+        await lc.wait_released()
+        await mgr.settle()
+        s = mgr.statistics()
+        assert store.puts == [] and s.host_pages_used == 0 and s.pages_store_skipped == 1
+        assert lc.outcome is kvo.Outcome.ABORTED and lc.pages_lost == 0
+        mgr.check_invariants()
