@@ -246,6 +246,8 @@ class Observer:
         # puts: (host pages, stored) of every put the store was asked for, in order (the
         # store appends, possibly on its writer thread; the check reads them).
         self.puts: list[tuple[tuple[int, ...], bool]] = []
+        # gone: the models of collected lifecycles (with storage: their late writes).
+        self.gone: dict[int, _LcModel] = {}
         # early: the first token of a prompt chunk submitted inside admit (before
         # on_admit), by lifecycle id.
         self.early: dict[int, int] = {}
@@ -462,6 +464,13 @@ class Observer:
         at the next check (it may run on the writer's thread)."""
         self.puts.append((tuple(host_pages), stored))
 
+    def _forget(self, lid: int) -> None:
+        """Lifecycle ``lid`` is garbage: its model goes; with storage it is kept aside,
+        for a write of it that finishes later (its loss still counts, F33)."""
+        m = self.lcs.pop(lid)
+        if self.core is not None and self.core.has_storage:
+            self.gone[lid] = m
+
     def _take_puts(self) -> None:
         """Apply the puts the store noted, each to the chunk whose host pages it named."""
         puts, self.puts = self.puts, []  # (the store appends to the new list from now on)
@@ -471,7 +480,7 @@ class Observer:
                 self._written(*chunk, stored)
 
     def _written(self, lid: int, first: int, n: int, stored: bool) -> None:
-        m = self.lcs.get(lid)
+        m = self.lcs.get(lid) or self.gone.get(lid)
         if m is None:
             return
         self.seen.add("stored" if stored else "store failed")
@@ -541,7 +550,7 @@ class Observer:
         for lid, m in list(self.lcs.items()):
             lc = m.ref()
             if lc is None:
-                del self.lcs[lid]
+                self._forget(lid)
                 continue
             n = inflight.get(lid, 0)
             if lc.inflight != n:
@@ -552,7 +561,7 @@ class Observer:
             if lc.state is _R and m.dropped:
                 del lc
                 if _collect_until_dead(m.ref):
-                    del self.lcs[lid]
+                    self._forget(lid)
                 else:
                     problems.append(f"lifecycle #{lid} is RELEASED and dropped but still referenced (F2)")
         if core.counters.pages_lost != self.lost:

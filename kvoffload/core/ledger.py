@@ -78,6 +78,13 @@ def check(mgr: OffloadCore) -> None:
             )
         if lc._deferred_since is not None:
             expect(lc in mgr.deferred, lambda: f"{lc!r} is deferred but not queued")
+        # No holes (F33): offload stopped at a hole submits nothing and waits for nothing.
+        expect(lc.pages_lost == 0, lambda: f"{lc!r} is live with pages_lost {lc.pages_lost}")
+        if lc._stop >= 0:
+            expect(
+                lc._stop <= lc.submitted and lc._deferred_since is None and lc.due >= 1 << 62,
+                lambda: f"{lc!r} stopped at token {lc._stop} but may still send (due {lc.due})",
+            )
         for p in lc.device_pages:
             expect(p not in dev_pages, lambda: f"device page {p} held by two lifecycles")
             dev_pages.add(p)
@@ -116,6 +123,19 @@ def check(mgr: OffloadCore) -> None:
     expect(
         host_inflight == c.pages_inflight, lambda: f"pages in flight {c.pages_inflight} != {host_inflight}"
     )
+    # Writes wait in chain order (F33): a held job is queued, not handed out, and starts
+    # after its live lifecycle's oldest chunk still in flight.
+    out = {id(j) for j in mgr._write_out}
+    for lid, waiting in mgr.held.items():
+        owner = mgr.live.get(lid)
+        expect(owner is not None and bool(waiting), lambda: f"write jobs held for lifecycle #{lid}, not live")
+        front = owner._front if owner is not None else -1
+        for first, job in waiting.items():
+            expect(
+                mgr.writes.get(job.id) is job and id(job) not in out and job.first_token == first,
+                lambda: f"{job!r} is held but not queued as held",
+            )
+            expect(first > front >= 0, lambda: f"{job!r} is held but nothing before it is in flight")
     host_writes = sum(len(j.host_pages) for j in mgr.writes.values())
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
