@@ -519,3 +519,28 @@ async def test_an_abort_never_writes_a_chunk_that_waited_for_an_earlier_one() ->
         assert store.puts == [] and s.host_pages_used == 0 and s.pages_store_skipped == 1
         assert lc.outcome is kvo.Outcome.ABORTED and lc.pages_lost == 0
         mgr.check_invariants()
+
+
+def test_a_write_waiting_for_an_earlier_copy_is_not_pending_on_the_sync_manager() -> None:
+    """A later chunk copied first waits for the earlier copy (F33). Its write is not
+    ``writes_pending`` meanwhile - nothing the writer could finish - so an engine that
+    polls until no write is pending does not spin while a copy is still in flight; once
+    the earlier copy completes both are written, in chain order."""
+    backend = SimBackend()
+    store = FailingStore()
+    with kvo.SyncOffloadManager(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
+        lc = mgr.admit("r", list(range(4)))
+        lc.extend(list(range(4, 9)))
+        lc.extend(list(range(9, 13)))
+        a, b = backend.pending
+        backend.complete(b)
+        _settle_sync(mgr)
+        assert mgr.writes_pending == 0 and store.puts == []
+        assert mgr.statistics().host_pages_used == 2  # a's (in flight) and b's (waiting)
+        backend.complete(a)
+        _settle_sync(mgr)
+        assert store.puts == [a.keys, b.keys]
+        lc.finish()
+        _settle_sync(mgr)
+        assert lc.released and lc.pages_lost == 0
+        mgr.check_invariants()

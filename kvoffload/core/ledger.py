@@ -123,20 +123,22 @@ def check(mgr: OffloadCore) -> None:
     expect(
         host_inflight == c.pages_inflight, lambda: f"pages in flight {c.pages_inflight} != {host_inflight}"
     )
-    # Writes wait in chain order (F33): a held job is queued, not handed out, and starts
-    # after its live lifecycle's oldest chunk still in flight.
+    # Writes wait in chain order (F33): a held job is not handed out (nor in writes) and
+    # starts after its live lifecycle's oldest chunk still in flight.
     out = {id(j) for j in mgr._write_out}
+    held_pages = 0
     for lid, waiting in mgr.held.items():
         owner = mgr.live.get(lid)
         expect(owner is not None and bool(waiting), lambda: f"write jobs held for lifecycle #{lid}, not live")
         front = owner._front if owner is not None else -1
         for first, job in waiting.items():
             expect(
-                mgr.writes.get(job.id) is job and id(job) not in out and job.first_token == first,
-                lambda: f"{job!r} is held but not queued as held",
+                job.id not in mgr.writes and id(job) not in out and job.first_token == first,
+                lambda: f"{job!r} is held but also handed out",
             )
+            held_pages += len(job.host_pages)
             expect(first > front >= 0, lambda: f"{job!r} is held but nothing before it is in flight")
-    host_writes = sum(len(j.host_pages) for j in mgr.writes.values())
+    host_writes = sum(len(j.host_pages) for j in mgr.writes.values()) + held_pages
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
     expect(

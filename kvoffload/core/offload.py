@@ -172,13 +172,17 @@ class OffloadCore:
         # deferred: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
         self.deferred: deque[Lifecycle] = deque()
-        # writes: copied chunks whose storage write has not finished (host pages held).
-        # Invariant: sum(len(j.host_pages) for j in self.writes.values()) == counters.pages_in_write
+        # writes: copied chunks handed to the writer (or about to be: _write_out) whose
+        # storage write has not finished (host pages held), in the order handed over.
+        # Invariant: sum(len(j.host_pages) for j in self.writes.values())
+        #   + sum(len(j.host_pages) for d in self.held.values() for j in d.values())
+        #   == counters.pages_in_write
         self.writes: dict[int, WriteJob] = {}
         # held: with storage, copied chunks whose write waits for an earlier chunk of the
         # same lifecycle to be copied (copies may complete out of order; writes go in
-        # chain order, F33): by lifecycle id, then by the chunk's first token. Each is in
-        # writes (its host pages held) and not in _write_out.
+        # chain order, F33): by lifecycle id, then by the chunk's first token. Their host
+        # pages are held; they join writes (and _write_out) when the earlier ones did, so
+        # a write that waits for a copy is not pending (writes_pending, a TP window).
         # Invariant: all(job.first_token > live[lid]._front for lid, d in held.items() for job in d.values())
         self.held: dict[LifecycleId, dict[int, WriteJob]] = {}
         # _write_out: write jobs not yet taken by the driver's writer (a subset of writes).
@@ -1043,10 +1047,10 @@ class OffloadCore:
             chain = lc._wchain = _Chain(lc)
         first = t.first_token
         job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid, chain=chain, first_token=first)
-        self.writes[t.id] = job
         if first != lc._front:  # an earlier chunk is still in flight
             self.held.setdefault(lc.id, {})[first] = job
             return
+        self.writes[t.id] = job
         self._write_out.append(job)
         front = lc._front = first + t.n_tokens
         waiting = self.held.get(lc.id) if self.held else None
@@ -1054,6 +1058,7 @@ class OffloadCore:
             ps = self.config.page_size
             while front in waiting:
                 job = waiting.pop(front)
+                self.writes[job.id] = job
                 self._write_out.append(job)
                 front += len(job.host_pages) * ps
             lc._front = front
@@ -1069,7 +1074,6 @@ class OffloadCore:
         c = self.counters
         for start in [f for f in waiting if f >= first]:
             job = waiting.pop(start)
-            del self.writes[job.id]
             n = len(job.host_pages)
             c.pages_in_write -= n
             c.pages_store_skipped += n
