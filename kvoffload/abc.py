@@ -28,6 +28,7 @@ __all__ = [
     "Storage",
     "Transfer",
     "TransferId",
+    "WriteChain",
     "WriteJob",
 ]
 
@@ -154,22 +155,52 @@ Completion: TypeAlias = "tuple[Transfer, BaseException | None]"
 """A finished copy: the transfer and ``None``, or the error that failed it."""
 
 
+class WriteChain:
+    """What the write jobs of one request share: whether its chain broke in the store
+    (FAILURES F33). A writer that fails a job sets ``broken``; a job whose chain is
+    broken is not written (its pages would follow a page the store lacks: no lookup
+    could reach them) and is reported not stored after 0 attempts. Written and read
+    only by the writer, which takes one request's jobs in chain order; the core may
+    subclass it to keep its own record of the request next to it.
+    """
+
+    __slots__ = ("broken",)
+
+    def __init__(self) -> None:
+        # broken: a job of this chain was not stored; set once, by the writer.
+        self.broken = False
+
+
 class WriteJob:
     """A copied chunk's host pages, to be written to the storage tier under ``keys``.
 
     Made by the core when a chunk's copy completed; its host pages stay held until the
     writer reports the job done (stored or failed). It names its lifecycle by id and
-    rid only (labels for events): a writer never holds a lifecycle (F2).
+    rid only (labels for events): a writer never holds a lifecycle (F2). The core hands
+    a request's jobs to the writer in chain order; ``chain`` (shared by them) and
+    ``first_token`` (where the chunk starts in its request) say where each one is.
     """
 
-    __slots__ = ("host_pages", "id", "keys", "lifecycle_id", "rid")
+    __slots__ = ("chain", "first_token", "host_pages", "id", "keys", "lifecycle_id", "rid")
 
-    def __init__(self, tid: int, keys: list[str], host_pages: list[int], lifecycle_id: int, rid: Any) -> None:
+    def __init__(
+        self,
+        tid: int,
+        keys: list[str],
+        host_pages: list[int],
+        lifecycle_id: int,
+        rid: Any,
+        *,
+        chain: WriteChain | None = None,
+        first_token: int = 0,
+    ) -> None:
         self.id = tid  # the transfer's id
         self.keys = keys
         self.host_pages = host_pages
         self.lifecycle_id = lifecycle_id
         self.rid = rid
+        self.chain = chain
+        self.first_token = first_token
 
     def __repr__(self) -> str:
         return f"<WriteJob of transfer #{self.id} ({len(self.host_pages)} page(s))>"

@@ -52,6 +52,8 @@ _P, _O, _F, _R = (
 _HANG_S = 10.0
 #: The virtual ``host_wait_s`` of the ``"wait"`` policy; ``advance_clock`` steps past it.
 _HOST_WAIT_S = 10.0
+#: The virtual ``stuck_after_s`` of the watchdog (F18); ``advance_clock`` steps past it.
+_STUCK_AFTER_S = 5.0
 #: One try per storage write, no backoff: a failure is one call.
 _WRITE_POLICY = WritePolicy(attempts=1, backoff_s=0)
 
@@ -60,11 +62,19 @@ _tokens = st.integers(0, 3)
 
 
 class FlakyStorage(MemoryStorage):
-    """A memory store that fails every write while ``down`` is set."""
+    """A memory store that fails every write while ``down`` is set, and tells its
+    ``observer`` (when set) of every write it is asked for (host pages, and whether it
+    takes it), so the observer can check that what is stored has no holes (F33)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.down = False
+        self.observer: Observer | None = None
+
+    async def put_pages(self, keys: Sequence[str], host_pool: Any, host_pages: Sequence[int]) -> None:
+        if self.observer is not None:
+            self.observer.on_put(host_pages, not self.down)
+        await super().put_pages(keys, host_pool, host_pages)
 
     async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
         if self.down:
@@ -304,10 +314,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             on_host_full=on_host_full,
             offload_prompt=offload_prompt,
             watchdog_interval_s=3600.0,
+            stuck_after_s=_STUCK_AFTER_S,
             drain_timeout_s=0.0,
         )
         self.backend = CheckedSimBackend(self.observer)
         self.storage = FlakyStorage() if storage else None
+        if self.storage is not None:
+            self.storage.observer = self.observer
         self.mgr = self.make_manager(config, self.backend, self.storage)
         self.observer.attach(self.core, events=events)
         self.open_manager()
@@ -491,9 +504,20 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(seconds=st.sampled_from([1.0, 2 * _HOST_WAIT_S]))
     def advance_clock(self, seconds: float) -> None:
-        """Virtual time passes; the timers tick (deferral expiry and retry)."""
+        """Virtual time passes; the timers tick: deferral expiry (``host_wait_s``), the
+        retry of deferred chunks, and the watchdog (``stuck_after_s``, F18): afterwards
+        every lifecycle with a copy in flight for longer than that has been reported."""
         self.now += seconds
         self.tick()
+        assert self.backend is not None
+        if not self.delivering:
+            return
+        core = self.core
+        overdue = {t.lifecycle.id for t in self.backend.pending if self.now - t.submitted_at > _STUCK_AFTER_S}
+        reported = {core.inflight[tid].lifecycle.id for tid in core.stuck_reported if tid in core.inflight}
+        assert overdue <= reported, (
+            f"the watchdog did not report lifecycles {sorted(overdue - reported)} (F18)"
+        )
 
     # --- after every step ----------------------------------------------------------------
 
@@ -679,15 +703,29 @@ class CoreLifecycleMachine(LifecycleMachine):
     @precondition(lambda self: bool(self.writes))
     @rule(pos=st.integers(0, 7), stored=st.booleans())
     def write(self, pos: int, stored: bool) -> None:
-        """The store finishes the write at ``pos`` (stored or failed), in any order."""
-        job = self.writes.pop(pos % len(self.writes))
+        """The store finishes the write at ``pos`` (stored or failed), in any order
+        across requests; as a writer does, one request's writes in the order they were
+        handed over, and none after one of its chain failed (F33)."""
+        self._write(pos % len(self.writes), stored)
+
+    def _write(self, pos: int, stored: bool) -> None:
+        lid = self.writes[pos].lifecycle_id
+        job = next(j for j in self.writes if j.lifecycle_id == lid)  # the request's oldest
+        self.writes.remove(job)
+        attempts = 1
+        chain = job.chain
+        if chain is not None and chain.broken:  # the writer skips it: not a write
+            stored, attempts = False, 0
+        else:
+            if not stored and chain is not None:
+                chain.broken = True
+            self.observer.on_write(job.id, stored)
         error = None if stored else StorageError("down")
-        self.run(lambda: self._released(self.mgr.write_done(job.id, stored, error=error)))
+        self.run(lambda: self._released(self.mgr.write_done(job.id, stored, attempts=attempts, error=error)))
 
     def settle_writes(self) -> None:
         while self.writes:
-            job = self.writes.pop(0)
-            self.run(lambda: self._released(self.mgr.write_done(job.id, True)))  # noqa: B023 - called at once
+            self._write(0, True)
 
     def teardown(self) -> None:
         if self.closed and self.backend is not None and self.mgr is not None:

@@ -14,8 +14,14 @@ model and derives from it, independently of the compiled table, what must hold:
   chain over the tokens that lifecycle committed (F11), and the bytes every copy moved
   are the KV written for those tokens (F3/F4; when ``check_bytes``);
 - every device free happens once and never under a pending copy (F3/F4/F8);
-- a lifecycle's chunks are contiguous: each starts where the last one it sent ended (a
-  skipped page would be a hole in its chain; F9);
+- no holes (F33, F9): a lifecycle's chunks are contiguous, each starting where the last
+  one it sent ended; no chunk is submitted for it once one of its copies or storage
+  writes failed (a delivered failure); and what the store took for it is contiguous
+  from its first offloaded page (a chunk stored only right after the last one stored);
+- each released lifecycle's ``pages_lost`` is what it should have offloaded and did
+  not - its whole pages from the first failed copy or write, or from the first page it
+  never sent, on (0 for an aborted one, 0 while live) - and ``pages_lost`` in the
+  statistics is their sum;
 - ``finish`` sends every whole page not yet sent, unless that call counted a drop (a
   full host pool, a refusal; F9) or the rest waits for host pages (F12);
 - outcomes: ABORTED when aborted, FAILED when one of its copies failed, else COMPLETED
@@ -113,6 +119,17 @@ class _LcModel:
     reported: bool = False
     # sent: tokens covered by submitted chunks (or taken as stored at admit).
     sent: int = 0
+    # failed_at: the first token of its earliest chunk a test failed (signalled), or of
+    # its earliest storage write that failed; None while neither happened.
+    failed_at: int | None = None
+    # hole: failed_at as the core must know it - set when the failure was delivered (a
+    # copy) or written (a store write); from then on no chunk of it may be submitted.
+    hole: int | None = None
+    # stored_end: where the run of its chunks the store took ends (starts at sent at admit).
+    stored_end: int = 0
+    # reach: once released (not aborted), where the chain it offloaded ends (for the
+    # statistics' pages_lost: a write that fails later moves it back).
+    reach: int | None = None
     # log: (trigger, from, to, copying, deferred) of every transition (events mode only).
     log: list[tuple[str, str, str, bool, bool]] = field(default_factory=list)
     replayed: int = 0
@@ -221,6 +238,19 @@ class Observer:
         self._oracle_factory: Callable[[], Any] | None = None
         # seen: what happened in this run (for hypothesis' coverage statistics).
         self.seen: set[str] = set()
+        # copied: (lifecycle id, first token, tokens) of each chunk a test completed, by
+        # transfer id and by its host pages (what a store's put_pages names), for the
+        # storage writes that follow.
+        self.copied: dict[int, tuple[int, int, int]] = {}
+        self.by_host: dict[tuple[int, ...], tuple[int, int, int]] = {}
+        # puts: (host pages, stored) of every put the store was asked for, in order (the
+        # store appends, possibly on its writer thread; the check reads them).
+        self.puts: list[tuple[tuple[int, ...], bool]] = []
+        # gone: the models of collected lifecycles (with storage: their late writes).
+        self.gone: dict[int, _LcModel] = {}
+        # early: the first token of a prompt chunk submitted inside admit (before
+        # on_admit), by lifecycle id.
+        self.early: dict[int, int] = {}
 
     # --- wiring ----------------------------------------------------------------------
 
@@ -254,7 +284,8 @@ class Observer:
 
     def on_admit(self, lc: Lifecycle, prompt: Sequence[int]) -> None:
         """``lc`` was admitted with ``prompt``: record the tokens and write their KV."""
-        m = _LcModel(lc.id, lc.rid, weakref.ref(lc), tokens=list(prompt), sent=lc.submitted)
+        base = self.early.pop(lc.id, lc.submitted)  # where its offload starts
+        m = _LcModel(lc.id, lc.rid, weakref.ref(lc), tokens=list(prompt), sent=lc.submitted, stored_end=base)
         if self.events and lc.state is not _P:  # the prompt chunk's submit ran inside admit
             m.log.append(("submit", "PENDING", lc.state.name, lc.inflight > 0, lc.deferred))
         self.lcs[lc.id] = m
@@ -282,6 +313,8 @@ class Observer:
         assert self.core is not None
         m = self.lcs[lc.id]
         whole = len(m.tokens) - len(m.tokens) % self.page_size
+        if m.hole is not None:  # offload stopped at a hole: nothing more goes out (F33)
+            return
         if m.sent < whole and not lc.deferred and self.core.counters.pages_dropped == dropped_before:
             self.violations.append(
                 f"{lc!r} finished with tokens {m.sent}..{whole} (whole pages) neither sent, nor "
@@ -298,8 +331,9 @@ class Observer:
             self.violations.append(f"on_released({lc!r}) called twice")
         if not lc.released:
             self.violations.append(f"on_released({lc!r}) called before RELEASED")
-        elif not m.reported and not lc.aborted:  # its whole pages never sent are lost for good
-            self.lost += (len(m.tokens) - m.sent) // self.page_size
+        elif not m.reported and not lc.aborted:  # its whole pages not offloaded are lost for good
+            m.reach = self._reach(m)
+            self.lost += (len(m.tokens) - m.reach) // self.page_size
         m.reported = True
 
     def on_closed(self) -> None:
@@ -360,11 +394,18 @@ class Observer:
     def on_submit(self, t: Transfer) -> None:
         self.transfers[t.id] = _Submitted(t, t.lifecycle.id, list(t.keys), list(t.device_pages))
         m = self.lcs.get(t.lifecycle.id)
-        if m is not None:
+        if m is None:
+            self.early.setdefault(t.lifecycle.id, t.first_token)
+        else:
             if t.first_token != m.sent:
                 self.violations.append(
                     f"{t!r} starts at token {t.first_token}, but {t.lifecycle!r} had sent up to "
                     f"{m.sent}: a hole in its chain (F9)"
+                )
+            if m.hole is not None:
+                self.violations.append(
+                    f"{t!r} was submitted after its lifecycle's chunk at token {m.hole} failed to copy "
+                    "or to store: nothing after a hole can be reached (F33)"
                 )
             m.sent = max(m.sent, t.first_token + t.n_tokens)
         if not set(t.device_pages) <= set(t.lifecycle.device_pages):
@@ -381,11 +422,19 @@ class Observer:
         """A test signalled ``t``: check the bytes the copy moved (F3/F4)."""
         s = self.transfers[t.id]
         s.signalled = True
+        m = self.lcs[s.issuer]
         if not ok:
-            self.lcs[s.issuer].failed = True
+            m.failed = True
+            if m.failed_at is None or t.first_token < m.failed_at:
+                m.failed_at = t.first_token
             self.seen.add("fail")
             return
         self.seen.add("complete")
+        if self.core is not None and self.core.has_storage:  # its write follows
+            self._take_puts()  # the writes before it (settled), before its host pages are named again
+            chunk = (s.issuer, t.first_token, t.n_tokens)
+            self.copied[t.id] = chunk
+            self.by_host[tuple(t.host_pages)] = chunk
         if self.check_bytes:
             assert self.host is not None
             import torch
@@ -399,6 +448,70 @@ class Observer:
                     f"{t!r}: the host pages do not hold the bytes its device pages held at submit "
                     "(a device page was freed and reused while the copy read it)"
                 )
+
+    # --- the store's side ------------------------------------------------------------------
+
+    def on_write(self, tid: int, stored: bool) -> None:
+        """The store took (``stored``) or failed the write of transfer ``tid``'s chunk
+        (the core machine's writer). A write the writer skipped (its chain broke, F33)
+        is not a write: not reported."""
+        chunk = self.copied.pop(tid, None)
+        if chunk is not None:
+            self._written(*chunk, stored)
+
+    def on_put(self, host_pages: Sequence[int], stored: bool) -> None:
+        """A store was asked to put these host pages (a driver's writer): noted, and read
+        at the next check (it may run on the writer's thread)."""
+        self.puts.append((tuple(host_pages), stored))
+
+    def _forget(self, lid: int) -> None:
+        """Lifecycle ``lid`` is garbage: its model goes; with storage it is kept aside,
+        for a write of it that finishes later (its loss still counts, F33)."""
+        m = self.lcs.pop(lid)
+        if self.core is not None and self.core.has_storage:
+            self.gone[lid] = m
+
+    def _take_puts(self) -> None:
+        """Apply the puts the store noted, each to the chunk whose host pages it named."""
+        puts, self.puts = self.puts, []  # (the store appends to the new list from now on)
+        for host_pages, stored in puts:
+            chunk = self.by_host.pop(host_pages, None)
+            if chunk is not None:
+                self._written(*chunk, stored)
+
+    def _written(self, lid: int, first: int, n: int, stored: bool) -> None:
+        m = self.lcs.get(lid) or self.gone.get(lid)
+        if m is None:
+            return
+        self.seen.add("stored" if stored else "store failed")
+        if stored:
+            if first != m.stored_end:
+                self.violations.append(
+                    f"lifecycle #{lid}: tokens {first}..{first + n} were stored, but its stored chain "
+                    f"ends at {m.stored_end}: a hole in the store no lookup can pass (F33)"
+                )
+            m.stored_end = max(m.stored_end, first + n)
+            return
+        if m.failed_at is None or first < m.failed_at:
+            m.failed_at = first
+        if m.hole is None or first < m.hole:
+            m.hole = first
+        if m.reach is not None and first < m.reach:  # released: the loss grows (pages_lost)
+            self.lost += (m.reach - first) // self.page_size
+            m.reach = first
+
+    def _reach(self, m: _LcModel) -> int:
+        """Where the chain ``m``'s lifecycle offloaded ends: its first page not sent, or
+        its first failed copy or write, whichever comes first."""
+        return m.sent if m.failed_at is None else min(m.sent, m.failed_at)
+
+    def expected_pages_lost(self, lc: Lifecycle) -> int:
+        """What ``lc.pages_lost`` must be now: 0 while live or when aborted, else the
+        whole pages from where its offloaded chain ends."""
+        m = self.lcs[lc.id]
+        if not lc.released or m.aborted:
+            return 0
+        return (len(m.tokens) - len(m.tokens) % self.page_size - self._reach(m)) // self.page_size
 
     def on_device_free(self, pool: DevicePool, pages: list[int]) -> None:
         """Every device free goes through here: never twice, never under a copy."""
@@ -421,11 +534,12 @@ class Observer:
         core = self.core
         assert core is not None
         core.check_invariants()
+        self._take_puts()
         problems = self.violations
         self.violations = []
         # The keys every completion carried equal an independent recomputation (F11).
         for tid in [tid for tid, s in self.transfers.items() if s.signalled and tid not in core.inflight]:
-            problems.extend(self._check_delivered(self.transfers.pop(tid)))
+            problems.extend(self._delivered(self.transfers.pop(tid)))  # (no local keeps it: F2)
         inflight: dict[int, int] = {}
         for t in pending:
             inflight[t.lifecycle.id] = inflight.get(t.lifecycle.id, 0) + 1
@@ -436,7 +550,7 @@ class Observer:
         for lid, m in list(self.lcs.items()):
             lc = m.ref()
             if lc is None:
-                del self.lcs[lid]
+                self._forget(lid)
                 continue
             n = inflight.get(lid, 0)
             if lc.inflight != n:
@@ -447,7 +561,7 @@ class Observer:
             if lc.state is _R and m.dropped:
                 del lc
                 if _collect_until_dead(m.ref):
-                    del self.lcs[lid]
+                    self._forget(lid)
                 else:
                     problems.append(f"lifecycle #{lid} is RELEASED and dropped but still referenced (F2)")
         if core.counters.pages_lost != self.lost:
@@ -490,7 +604,21 @@ class Observer:
                 problems.append(f"{lc!r} is RELEASED but holds device pages {lc.device_pages}")
         elif lc.outcome is not None:
             problems.append(f"{lc!r} is live with outcome {lc.outcome}")
+        lost = self.expected_pages_lost(lc)
+        if lc.pages_lost != lost:
+            problems.append(
+                f"{lc!r} says pages_lost={lc.pages_lost}; it should have offloaded {lost} more whole "
+                "page(s) (never sent, or from a failed copy or write on)"
+            )
         return problems
+
+    def _delivered(self, s: _Submitted) -> list[str]:
+        """``s`` was delivered: its keys are checked, and once a failure of its lifecycle
+        was delivered the core knows the hole (no chunk may be submitted after it)."""
+        m = self.lcs.get(s.issuer)
+        if m is not None and m.failed_at is not None and (m.hole is None or m.failed_at < m.hole):
+            m.hole = m.failed_at
+        return self._check_delivered(s)
 
     def _check_delivered(self, s: _Submitted) -> list[str]:
         t = s.transfer

@@ -82,6 +82,13 @@ def check(mgr: OffloadCore) -> None:
             )
         if lc._deferred_since is not None:
             expect(lc in mgr.deferred, lambda: f"{lc!r} is deferred but not queued")
+        # No holes (F33): offload stopped at a hole submits nothing and waits for nothing.
+        expect(lc.pages_lost == 0, lambda: f"{lc!r} is live with pages_lost {lc.pages_lost}")
+        if lc._stop >= 0:
+            expect(
+                lc._stop <= lc.submitted and lc._deferred_since is None and lc.due >= 1 << 62,
+                lambda: f"{lc!r} stopped at token {lc._stop} but may still send (due {lc.due})",
+            )
         for p in lc.device_pages:
             if p in dev_pages:  # only a stored prefix page may be (engine-owned mode)
                 names[p] = names.get(p, 1) + 1
@@ -132,7 +139,22 @@ def check(mgr: OffloadCore) -> None:
     expect(
         host_inflight == c.pages_inflight, lambda: f"pages in flight {c.pages_inflight} != {host_inflight}"
     )
-    host_writes = sum(len(j.host_pages) for j in mgr.writes.values())
+    # Writes wait in chain order (F33): a held job is not handed out (nor in writes) and
+    # starts after its live lifecycle's oldest chunk still in flight.
+    out = {id(j) for j in mgr._write_out}
+    held_pages = 0
+    for lid, waiting in mgr.held.items():
+        owner = mgr.live.get(lid)
+        expect(owner is not None and bool(waiting), lambda: f"write jobs held for lifecycle #{lid}, not live")
+        front = owner._front if owner is not None else -1
+        for first, job in waiting.items():
+            expect(
+                job.id not in mgr.writes and id(job) not in out and job.first_token == first,
+                lambda: f"{job!r} is held but also handed out",
+            )
+            held_pages += len(job.host_pages)
+            expect(first > front >= 0, lambda: f"{job!r} is held but nothing before it is in flight")
+    host_writes = sum(len(j.host_pages) for j in mgr.writes.values()) + held_pages
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
     expect(
@@ -149,8 +171,13 @@ def check(mgr: OffloadCore) -> None:
         lambda: "pages: submitted != inflight + copied + discarded + failed",
     )
     expect(
-        c.pages_copied == c.pages_stored + c.pages_store_failed + c.pages_in_write + c.pages_not_stored,
-        lambda: "pages: copied != stored + store_failed + in_write + not_stored",
+        c.pages_copied
+        == c.pages_stored
+        + c.pages_store_failed
+        + c.pages_store_skipped
+        + c.pages_in_write
+        + c.pages_not_stored,
+        lambda: "pages: copied != stored + store_failed + store_skipped + in_write + not_stored",
     )
     expect(
         all(lc._deferred_since is not None for lc in mgr.deferred),

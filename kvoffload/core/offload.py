@@ -18,13 +18,14 @@ and the property suite checks them all after every step of the schedules it draw
 from __future__ import annotations
 
 import time
+import weakref
 from _thread import get_ident
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MappingView, Sequence, Set
 from typing import TYPE_CHECKING, Any, cast
 
-from kvoffload.abc import Completion, Transfer, WriteJob
+from kvoffload.abc import Completion, Transfer, WriteChain, WriteJob
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import DEBUG, Listener, RateLimit, logger, notify_listeners, refresh_debug
 from kvoffload.core.rows import DecodeRows
@@ -58,6 +59,8 @@ _ABORT = EVENT_INDEX["abort"]
 _FINISHING = LifecycleState.FINISHING.value
 _RELEASED = LifecycleState.RELEASED.value
 _U32 = 1 << 32
+#: ``lc.due`` once offload of a lifecycle stopped at a hole (F33): no chunk is ever due.
+_NEVER = 1 << 62
 _TOKEN_LIMIT = 1 << 63
 #: extend_batch keeps array state (DecodeRows) for batches of at least this many
 #: lifecycles; below it a plain loop costs less than the arrays' fixed cost (they break
@@ -119,6 +122,22 @@ class _Burst:
         self.pages = 0
         self.last_log = 0.0
         self.logged_pages = 0  # pages of the burst already reported in a log line
+
+
+class _Chain(WriteChain):
+    """The core's record of one lifecycle's write jobs (F33), shared by them: the
+    writer's ``broken`` flag, and what a write that finishes after the lifecycle's
+    release needs - a weak reference to it (the core never keeps a released one) and
+    where its stored chain ends."""
+
+    __slots__ = ("lc", "reach")
+
+    def __init__(self, lc: Lifecycle) -> None:
+        super().__init__()
+        self.lc = weakref.ref(lc)
+        # reach: -1 while live (or aborted); set at RELEASED: the token where the chain
+        # the store holds (or will hold) ends; moves back when a later write fails.
+        self.reach = -1
 
 
 class _DirectHost:
@@ -200,9 +219,19 @@ class OffloadCore:
         # deferred: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
         self.deferred: deque[Lifecycle] = deque()
-        # writes: copied chunks whose storage write has not finished (host pages held).
-        # Invariant: sum(len(j.host_pages) for j in self.writes.values()) == counters.pages_in_write
+        # writes: copied chunks handed to the writer (or about to be: _write_out) whose
+        # storage write has not finished (host pages held), in the order handed over.
+        # Invariant: sum(len(j.host_pages) for j in self.writes.values())
+        #   + sum(len(j.host_pages) for d in self.held.values() for j in d.values())
+        #   == counters.pages_in_write
         self.writes: dict[int, WriteJob] = {}
+        # held: with storage, copied chunks whose write waits for an earlier chunk of the
+        # same lifecycle to be copied (copies may complete out of order; writes go in
+        # chain order, F33): by lifecycle id, then by the chunk's first token. Their host
+        # pages are held; they join writes (and _write_out) when the earlier ones did, so
+        # a write that waits for a copy is not pending (writes_pending, a TP window).
+        # Invariant: all(job.first_token > live[lid]._front for lid, d in held.items() for job in d.values())
+        self.held: dict[LifecycleId, dict[int, WriteJob]] = {}
         # _write_out: write jobs not yet taken by the driver's writer (a subset of writes).
         self._write_out: list[WriteJob] = []
         self.counters = Counters()
@@ -283,6 +312,7 @@ class OffloadCore:
         if stored:  # the stored prefix seeds the chain (its pages are never copied)
             lc._chain = page_run_digests(seed, tokens[:stored], ps)[-1]
         lc.submitted = stored
+        lc._front = stored
         lc._tail = tokens[stored:]
         # offload_prompt: the prompt's unstored whole pages are the first chunk; else (or
         # when there are none) a chunk is due a stride past what is stored (at once for a
@@ -703,6 +733,8 @@ class OffloadCore:
         if lc._row >= 0:
             cast("DecodeRows", self.rows).detach(lc)
         lc._aborted = True
+        if self.held:  # copied ahead of a chunk that will now be discarded: never written
+            self._skip_held(lc, 0)
         if lc._deferred_since is not None:
             lc._deferred_since = None
             self.deferred.remove(lc)
@@ -760,6 +792,8 @@ class OffloadCore:
         """
         if self.closing:
             raise KVOffloadError(f"{lc!r}: the manager is closed, no copy can start; abort() releases it")
+        if lc._stop >= 0:  # offload stopped at a hole (F33): nothing after it is sent
+            return False
         cfg = self.config
         ps = cfg.page_size
         wanted = n // ps  # a drop counts every page not sent, beyond one host-sized chunk too
@@ -1034,7 +1068,12 @@ class OffloadCore:
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
-                if error is None and not (observed or lc._aborted or self.deferred):
+                if (
+                    error is None
+                    and lc._stop < 0
+                    and not (observed or lc._aborted or self.deferred)
+                    and (not store or t.first_token == lc._front)
+                ):
                     s = lc._s
                     dest = rows[s][((lc.inflight > 0) << 1) | (lc._deferred_since is not None)]
                     if 0 <= dest != _RELEASED:
@@ -1073,10 +1112,70 @@ class OffloadCore:
                 self._credit(chunks, pages, held)
 
     def _queue_write(self, t: Transfer) -> None:
+        """``t`` was copied: its write job goes out now when every earlier chunk of its
+        lifecycle was copied (``t`` starts at ``lc._front``), followed by the later ones
+        that waited for it; else it waits (held) - so a request's writes reach the store
+        in chain order whatever order its copies completed in (F33)."""
         lc = t.lifecycle
-        job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid)
+        chain = lc._wchain
+        if chain is None:
+            chain = lc._wchain = _Chain(lc)
+        first = t.first_token
+        job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid, chain=chain, first_token=first)
+        if first != lc._front:  # an earlier chunk is still in flight
+            self.held.setdefault(lc.id, {})[first] = job
+            return
         self.writes[t.id] = job
         self._write_out.append(job)
+        front = lc._front = first + t.n_tokens
+        waiting = self.held.get(lc.id) if self.held else None
+        if waiting:
+            ps = self.config.page_size
+            while front in waiting:
+                job = waiting.pop(front)
+                self.writes[job.id] = job
+                self._write_out.append(job)
+                front += len(job.host_pages) * ps
+            lc._front = front
+            if not waiting:
+                del self.held[lc.id]
+
+    def _skip_held(self, lc: Lifecycle, first: int) -> None:
+        """The held write jobs of ``lc`` from token ``first`` on are never written (a hole
+        or an abort before them, F33): their host pages return, counted as skipped."""
+        waiting = self.held.get(lc.id)
+        if not waiting:
+            return
+        c = self.counters
+        for start in [f for f in waiting if f >= first]:
+            job = waiting.pop(start)
+            n = len(job.host_pages)
+            c.pages_in_write -= n
+            c.pages_store_skipped += n
+            self.host_pool.free(job.host_pages)
+        if not waiting:
+            del self.held[lc.id]
+
+    def _hole(self, lc: Lifecycle, first: int) -> bool:
+        """Offload of live ``lc`` stops at token ``first`` (F33): a chunk from there was
+        not copied or not stored, so no page after it could ever be reached. No chunk is
+        submitted from now on, a deferred one is given up, the held ones after it are
+        skipped; the chunks after it still in flight are discarded when they complete.
+        Returns whether a deferred chunk was given up (the caller fires chunk_dropped
+        unless an event of its own follows)."""
+        if 0 <= lc._stop <= first:
+            return False
+        lc._stop = first
+        lc.due = _NEVER
+        self._requiet(lc)
+        if self.held:
+            self._skip_held(lc, first)
+        if lc._deferred_since is None:
+            return False
+        lc._deferred_since = None
+        self.deferred.remove(lc)
+        self._notify_quiet(lc)
+        return True
 
     def _credit(self, chunks: int, pages: int, held: list[int]) -> None:
         """Write ``chunks`` copied chunks of ``pages`` pages to the ledger and return
@@ -1102,6 +1201,7 @@ class OffloadCore:
         c = self.counters
         if error is not None:
             lc._failed = True
+            self._hole(lc, t.first_token)  # (the chunk_failed step follows: no drop event)
             c.chunks_inflight -= 1
             c.pages_inflight -= npages
             c.chunks_failed += 1
@@ -1120,7 +1220,7 @@ class OffloadCore:
             if self.listeners:
                 self._emit_delivery("transfer.failed", t, now, error=repr(error))
             return _FAILED
-        if lc._aborted:
+        if lc._aborted or 0 <= lc._stop <= t.first_token:  # aborted, or after a hole (F33)
             c.chunks_inflight -= 1
             c.pages_inflight -= npages
             c.chunks_discarded += 1
@@ -1161,8 +1261,11 @@ class OffloadCore:
         n = len(job.host_pages)
         c = self.counters
         c.pages_in_write -= n
-        c.pages_store_retried += (attempts - 1) * n
+        if attempts > 1:
+            c.pages_store_retried += (attempts - 1) * n
         self.host_pool.free(job.host_pages)
+        if not stored:
+            self._write_hole(job)
         if stored:
             c.pages_stored += n
             if self._burst.since is not None:
@@ -1171,12 +1274,36 @@ class OffloadCore:
                 fields = self._notify_write("storage.written", job, attempts=attempts)
                 if DEBUG.on:
                     logger.debug("storage.written", **fields)
+        elif attempts == 0:  # not written: its chain broke before it (F33)
+            c.pages_store_skipped += n
         else:
             c.pages_store_failed += n
             self._store_failed(job, attempts, error)
         if self.deferred:
             self._pump_deferred()
         return self._take_released()
+
+    def _write_hole(self, job: WriteJob) -> None:
+        """Job ``job`` was not stored: its lifecycle's chain ends before it (F33). Live:
+        offload stops there. Released (not aborted): the pages from there on are lost,
+        counted on the lifecycle (while anyone holds it) and in ``pages_lost``."""
+        chain = job.chain
+        if not isinstance(chain, _Chain):
+            return
+        first = job.first_token
+        if chain.reach < 0:  # live (or aborted)
+            lc = chain.lc()
+            if lc is not None and lc._s != _RELEASED and self._hole(lc, first):
+                self._fire(lc, _DROPPED)
+            return
+        if first < chain.reach:
+            lost = (chain.reach - first) // self.config.page_size
+            chain.reach = first
+            self.counters.pages_lost += lost
+            lc = chain.lc()
+            if lc is not None:
+                lc.pages_lost += lost
+                lc._stop = first
 
     def _store_failed(self, job: WriteJob, attempts: int, error: BaseException | None) -> None:
         burst = self._burst
@@ -1285,8 +1412,14 @@ class OffloadCore:
         lc.outcome = outcome
         del self.live[lc.id]
         c = self.counters
-        if not lc._aborted:  # whole pages never sent: their drops were never made good
-            c.pages_lost += (lc.committed - lc.submitted) // self.config.page_size
+        if not lc._aborted:  # whole pages not offloaded: never sent, or after a hole (F33)
+            reach = lc._stop if lc._stop >= 0 else lc.submitted
+            lost = (lc.committed - reach) // self.config.page_size
+            lc.pages_lost = lost
+            lc._stop = reach
+            c.pages_lost += lost
+            if lc._wchain is not None:
+                lc._wchain.reach = reach
         if outcome is Outcome.COMPLETED:
             c.released_completed += 1
         elif outcome is Outcome.ABORTED:

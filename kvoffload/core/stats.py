@@ -6,7 +6,8 @@ The ledger (ARCHITECTURE.md rule 6), checked by ``OffloadManager.check_invariant
 - ``chunks_submitted == chunks_inflight + chunks_copied + chunks_discarded + chunks_failed``
   (and the same for pages). A *dropped* chunk never got host pages, so it was never
   submitted: drops are counted beside the ledger, not in it.
-- ``pages_copied == pages_stored + pages_store_failed + pages_in_write + pages_not_stored``
+- ``pages_copied == pages_stored + pages_store_failed + pages_store_skipped + pages_in_write
+  + pages_not_stored``
 - no count is negative.
 """
 
@@ -42,6 +43,7 @@ class Counters:
     pages_not_stored: int = 0
     pages_store_failed: int = 0
     pages_store_retried: int = 0
+    pages_store_skipped: int = 0
     pages_stored: int = 0
     pages_submitted: int = 0
     released_aborted: int = 0
@@ -86,7 +88,8 @@ class Statistics:
     chunks_copied: int
     """Chunks whose copy completed for a lifecycle that was not aborted."""
     chunks_discarded: int
-    """Chunks whose copy completed after their lifecycle was aborted (not stored)."""
+    """Chunks whose copy completed after their lifecycle was aborted, or after a hole in
+    its chain - an earlier chunk failed to copy or to store (F33) - not stored."""
     chunks_failed: int
     """Chunks whose copy failed."""
     chunks_dropped: int
@@ -108,9 +111,11 @@ class Statistics:
     """Pages of dropped chunks, per attempt: a page dropped, retried a stride later and
     dropped again counts twice. What was lost for good is ``pages_lost``."""
     pages_lost: int
-    """Whole pages of a finished request never copied, counted once when it is
-    released: its drops (or refusals) were never made good by a later chunk or the
-    tail flush. Failed copies are ``pages_failed``; an aborted request loses nothing."""
+    """Whole pages a finished request should have offloaded and did not: the sum of
+    every released lifecycle's ``pages_lost``. Counted when it is released - pages never
+    sent (drops or refusals never made good, a ``"wait"`` that expired) and every page
+    from a hole in its chain on (a failed copy or storage write: F33) - and raised when a
+    storage write of it fails after its release. An aborted request loses nothing."""
     pages_refused: int
     pages_stored: int
     """Pages written to the storage tier."""
@@ -118,6 +123,10 @@ class Statistics:
     """Pages whose storage write failed (after retries); their host pages were returned."""
     pages_store_retried: int
     """Pages re-sent by a retried storage write (a chunk of n pages retried once adds n)."""
+    pages_store_skipped: int
+    """Copied pages never written because an earlier page of their request's chain was
+    not stored (its copy or write failed, or the request was aborted first): written,
+    no lookup could have reached them (F33). Their host pages were returned."""
     pages_in_write: int
     """Pages copied to the host and waiting for (or in) their storage write."""
     pages_not_stored: int

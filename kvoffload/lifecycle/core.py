@@ -99,6 +99,7 @@ class Lifecycle:
         "_deferred_since",
         "_failed",
         "_from",
+        "_front",
         "_log",
         "_owner",
         "_quiet",
@@ -106,12 +107,15 @@ class Lifecycle:
         "_released_ev",
         "_row",
         "_s",
+        "_stop",
         "_tail",
+        "_wchain",
         "device_pages",
         "due",
         "id",
         "inflight",
         "outcome",
+        "pages_lost",
         "rid",
         "state_since",
         "submitted",
@@ -150,6 +154,19 @@ class Lifecycle:
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
     # _deferred_since: clock time a chunk started waiting for host pages, else None.
     # outcome: None until RELEASED, then how it ended.
+    # pages_lost: whole pages this request should have offloaded and did not (F33, F9):
+    #   0 while live; set at RELEASED (never for an aborted one), raised later by a
+    #   storage write of it that fails after its release. Core-owned, read by anyone.
+    # Invariant: self.pages_lost >= 0 and (self.pages_lost == 0 or self._s == RELEASED)
+    # _stop: the token at which offload stopped - a chunk from there failed, or its store
+    #   write did (F33) - else -1. No chunk is submitted once it is set (due is _NEVER).
+    #   At RELEASED (not aborted): where the stored chain ends.
+    # Invariant: self._stop == -1 or self._s == RELEASED or (self._stop <= self.submitted
+    #   and self._deferred_since is None)
+    # _front: with storage, the first token of its oldest chunk whose copy has not been
+    #   delivered (== submitted when none); a chunk is queued for its write only from
+    #   there, so its writes go to the store in chain order whatever order copies end in.
+    # _wchain: what its write jobs share (the core's WriteChain), None before the first.
     # _owner: the owner thread's ident; every method checks it first (F24).
     # _released_ev / _quiet_ev: a driver's Waker, set by the core when the lifecycle is
     #   RELEASED / quiescent; None when nobody waits.
@@ -176,6 +193,10 @@ class Lifecycle:
         self._failed = False
         self._aborted = False
         self.outcome: Outcome | None = None
+        self.pages_lost = 0
+        self._stop = -1
+        self._front = 0
+        self._wchain: Any = None
         self.state_since = now
         self._released_ev: Waker | None = None
         self._quiet_ev: Waker | None = None

@@ -43,8 +43,9 @@ class Outcome(enum.Enum):
 
     COMPLETED = "completed"
     """Finished, and no submitted chunk failed. Chunks never submitted because the host
-    pool was full (a policy drop, FAILURES F9) are counted in ``statistics()``
-    (``chunks_dropped``/``pages_dropped``), not in the outcome."""
+    pool was full (a policy drop, FAILURES F9) and storage writes that failed are not in
+    the outcome: what the request should have offloaded and did not is
+    ``lc.pages_lost`` (and ``statistics().pages_lost``, their sum)."""
     ABORTED = "aborted"
     """Aborted (retraction, preemption, cancellation); in-flight chunks were discarded."""
     FAILED = "failed"

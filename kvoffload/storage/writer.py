@@ -19,6 +19,12 @@ failed call per chunk and never stalls the queue. The core logs failures once pe
 *burst*: a ``storage.failed`` warning when the first chunk fails, a reminder at most
 every ``log_interval_s`` while it lasts, and ``storage.recovered`` with the burst's
 totals at the first success.
+
+No holes (FAILURES F33): a page is reachable only when every page before it in its
+chain is stored, so once a chunk of a request was not stored, the later chunks of that
+request are not written either (:class:`~kvoffload.abc.WriteChain`): they are reported
+not stored after 0 attempts, their host pages return, and the core counts them as
+``pages_store_skipped`` and stops offloading the request at the hole.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError, KVOffloadError, StorageError
 
 if TYPE_CHECKING:
     from kvoffload.abc import Storage, WriteJob
@@ -44,6 +50,12 @@ if TYPE_CHECKING:
 __all__ = ["AsyncWriter", "ThreadWriter", "WritePolicy", "WriteResult", "page_bytes", "write_job"]
 
 _T = TypeVar("_T")
+
+#: Why a job was not written: its chain broke before it (FAILURES F33).
+_SKIPPED = (
+    "not written: an earlier chunk of this request's chain was not stored, so no lookup could "
+    "reach these pages (F33)"
+)
 
 #: Chunks larger than this are read out of the host pool on a worker thread.
 _THREAD_COPY_BYTES = 1 << 20
@@ -129,9 +141,16 @@ async def write_job(
     the result (STYLE 13); only ``KeyboardInterrupt``, ``SystemExit`` and a cancellation
     of the writer's own task propagate.
 
+    No holes (F33): a job whose chain broke (an earlier job of its request was not
+    stored) is not written - ``(job, False, 0, StorageError)`` - and a job that fails
+    breaks its chain, so nothing of that request is stored after a page the store lacks.
+
     The store reads the pages from the host pool (``Storage.put_pages``): they are held
     until the core hears the result, so they are stable for every attempt; how it reads
     them is the store's business (``threaded_read`` is ignored)."""
+    chain = job.chain
+    if chain is not None and chain.broken:  # an earlier page of its chain is not stored (F33)
+        return (job, False, 0, StorageError(_SKIPPED))
     attempts = 1 if state.down else policy.attempts
     error: BaseException | None = None
     for attempt in range(attempts):
@@ -149,6 +168,8 @@ async def write_job(
         state.down = False
         return (job, True, attempt + 1, None)
     state.down = True
+    if chain is not None:
+        chain.broken = True  # the later jobs of this request are not written after the hole
     return (job, False, attempts, error)
 
 
