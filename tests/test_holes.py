@@ -58,6 +58,15 @@ class FailingStore(MemoryStorage):
         await super().put(keys, pages)
 
 
+def _two_chunks(mgr: kvo.OffloadManager | kvo.SyncOffloadManager) -> Lifecycle:
+    """admit [0..3], extend [4..8], extend [9..12]: two one-page chunks go out, in that
+    order (the measured F33 schedule's start); returns the lifecycle."""
+    lc = mgr.admit("r", list(range(4)))
+    lc.extend(list(range(4, 9)))
+    lc.extend(list(range(9, 13)))
+    return lc
+
+
 def _config(**kw: object) -> kvo.OffloadConfig:
     base: dict[str, object] = {
         "page_size": 4,
@@ -83,9 +92,7 @@ async def test_a_failed_copy_stops_offload_at_the_hole_and_nothing_after_it_is_s
     backend = SimBackend()
     store = FailingStore()
     async with manager_in_task(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
-        lc = mgr.admit("r", list(range(4)))
-        lc.extend(list(range(4, 9)))
-        lc.extend(list(range(9, 13)))
+        lc = _two_chunks(mgr)
         first, second = backend.pending
         assert (first.first_token, second.first_token) == (4, 8)
         backend.fail(first, RuntimeError("copy failed"))
@@ -167,9 +174,7 @@ async def test_chunks_of_one_lifecycle_are_written_in_chain_order_whatever_order
     backend = SimBackend()
     store = FailingStore()
     async with manager_in_task(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
-        lc = mgr.admit("r", list(range(4)))
-        lc.extend(list(range(4, 9)))
-        lc.extend(list(range(9, 13)))
+        lc = _two_chunks(mgr)
         a, b = backend.pending
         backend.complete(b)
         await mgr.settle()
@@ -193,9 +198,7 @@ async def test_a_failed_write_is_a_hole_the_later_chunks_are_not_written_after()
     backend = SimBackend()
     store = FailingStore()
     async with manager_in_task(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
-        lc = mgr.admit("r", list(range(4)))
-        lc.extend(list(range(4, 9)))
-        lc.extend(list(range(9, 13)))
+        lc = _two_chunks(mgr)
         store.fail_next = 1
         backend.complete_all()  # one batch: both writes are queued, in chain order
         await mgr.settle()
@@ -505,9 +508,7 @@ async def test_an_abort_never_writes_a_chunk_that_waited_for_an_earlier_one() ->
     backend = SimBackend()
     store = FailingStore()
     async with manager_in_task(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
-        lc = mgr.admit("r", list(range(4)))
-        lc.extend(list(range(4, 9)))
-        lc.extend(list(range(9, 13)))
+        lc = _two_chunks(mgr)
         a, b = backend.pending
         backend.complete(b)
         await mgr.settle()
@@ -529,9 +530,7 @@ def test_a_write_waiting_for_an_earlier_copy_is_not_pending_on_the_sync_manager(
     backend = SimBackend()
     store = FailingStore()
     with kvo.SyncOffloadManager(_config(), backend=backend, storage=store, write_policy=ONE_TRY) as mgr:
-        lc = mgr.admit("r", list(range(4)))
-        lc.extend(list(range(4, 9)))
-        lc.extend(list(range(9, 13)))
+        lc = _two_chunks(mgr)
         a, b = backend.pending
         backend.complete(b)
         _settle_sync(mgr)

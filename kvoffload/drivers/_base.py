@@ -334,28 +334,20 @@ class DriverBase:
         """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``.
         From a listener during a delivery step (or another finish or abort): applied
         once that step is done. A listener's calls during this one wait for it."""
-        calls = self._calls
-        if calls is not None:
-            calls.append((False, lc))
-            return
-        self._calls = []  # a listener's call during the flush waits for the finish
-        try:
-            released = self.core.finish(lc)
-        finally:
-            more, errors = self._apply_calls()
-        self._released(released + more, raise_errors=True, errors=errors)
+        self._end_lifecycle(lc, abort=False)
 
     def abort_lifecycle(self, lc: Lifecycle) -> None:
-        """``lc.abort()``: the core's step, then ``on_released`` if it released ``lc``.
-        From a listener during a delivery step (or another finish or abort): applied
-        once that step is done. A listener's calls during this one wait for it."""
+        """``lc.abort()``: as :meth:`finish_lifecycle`, with the core's abort."""
+        self._end_lifecycle(lc, abort=True)
+
+    def _end_lifecycle(self, lc: Lifecycle, *, abort: bool) -> None:
         calls = self._calls
         if calls is not None:
-            calls.append((True, lc))
+            calls.append((abort, lc))
             return
-        self._calls = []  # a listener's call during the abort waits for it
+        self._calls = []  # a listener's call during this step waits for it
         try:
-            released = self.core.abort(lc)
+            released = self.core.abort(lc) if abort else self.core.finish(lc)
         finally:
             more, errors = self._apply_calls()
         self._released(released + more, raise_errors=True, errors=errors)
