@@ -446,12 +446,15 @@ def _machine(world: World, core_class: type[OffloadCore]) -> _Explorer:
 
 
 def _replay(world: World, core_class: type[OffloadCore], schedule: Sequence[Action]) -> _Explorer:
-    """A fresh machine brought to the state ``schedule`` reached (its steps were each
-    checked when first explored: the replay runs them without the after-step check)."""
+    """A fresh machine brought to the state ``schedule`` reached, exactly as it was
+    first explored: each step followed by the after-step check, since the check is also
+    where the observer's model learns what was delivered (a failure's hole, F33) - a
+    replay without it left the model behind the core and reported false F12 losses."""
     m = _machine(world, core_class)
     m.replaying = True
     for a in schedule:
         m.act(a)
+        m.check_step()
     m.replaying = False
     return m
 
