@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvoffload.errors import InvariantViolation
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,6 +83,10 @@ class EngineRecord:
         self._keys: dict[int, list[str]] = {}
         # _rows: (device page, slot, fingerprint) of KV committed and not yet written.
         self._rows: list[tuple[int, int, int]] = []
+        # _writers: the lifecycles whose rows are in _rows (none may be RELEASED at
+        # write_kv: its pages may already be another request's).
+        # Invariant: every lifecycle with a row in _rows is in _writers
+        self._writers: list[Lifecycle] = []
 
     @property
     def checks_bytes(self) -> bool:
@@ -98,9 +104,23 @@ class EngineRecord:
             pages = lc.device_pages
             for i, tok in enumerate(tokens, start):
                 self._rows.append((pages[i // ps], i % ps, fingerprint(lc.id, i, tok)))
+            self._writers.append(lc)
 
     def write_kv(self) -> None:
-        """Write the queued KV rows into the device pool, in one indexed store."""
+        """Write the queued KV rows into the device pool, in one indexed store.
+
+        Raises :class:`~kvoffload.InvariantViolation` when a lifecycle with a queued row
+        was released meanwhile: an engine that writes a request's KV after telling
+        kvoffload it finished writes into pages that may be another request's (in one
+        indexed store with that request's rows, which of the two lands is undefined)."""
+        writers, self._writers = self._writers, []
+        late = [lc for lc in writers if lc.released]
+        if late:
+            self._rows.clear()
+            raise InvariantViolation(
+                f"the engine wrote KV of {late[0]!r} after it was released: its device pages "
+                "may already hold another request's KV (write a step's KV before finish/abort)"
+            )
         if not self._rows or self._device is None:
             self._rows.clear()
             return

@@ -200,7 +200,8 @@ class DecodeScheduler:
         return f"req-{p.index}"
 
     def _decode_step(self, tg: Any) -> None:
-        still = []
+        still: list[_Running] = []
+        done: list[_Running] = []
         for r in self._running:
             if r.plan.abort_after is not None and r.steps >= r.plan.abort_after:
                 r.lc.abort()
@@ -218,12 +219,13 @@ class DecodeScheduler:
             if self.engine is not None:
                 self.engine.commit(r.lc, [token])
             r.steps += 1
-            if r.steps >= r.plan.output_len:
-                r.lc.finish()
-                self.result.finished += 1
-                self._retire(tg, r.lc)
-                continue
-            still.append(r)
+            (done if r.steps >= r.plan.output_len else still).append(r)
+        if self.engine is not None:  # the forward pass wrote the step's KV ...
+            self.engine.write_kv()
+        for r in done:  # ... before a request finishes: it may be released at once, its
+            r.lc.finish()  # pages given to an arrival of this same step
+            self.result.finished += 1
+            self._retire(tg, r.lc)
         self._running = still
 
     def _retire(self, tg: Any, lc: Lifecycle) -> None:
