@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_manager import snapshot as lifecycle_snapshot
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
@@ -66,19 +67,7 @@ def snapshot(core: OffloadCore, jobs: list[Transfer]) -> Any:
     dev = core.device_pool
     held = bytes(dev._held) if isinstance(dev, EnginePages) else bytes(dev._allocated)
     shared = dict(getattr(dev, "_shared", {}))
-    lcs = [
-        (
-            lc.id,
-            lc.state,
-            lc.committed,
-            lc.submitted,
-            lc.chain_key,
-            lc.inflight,
-            list(lc.device_pages),
-            lc.due,
-        )
-        for lc in core.live.values()
-    ]
+    lcs = [(lc.id, *lifecycle_snapshot(lc)) for lc in core.live.values()]
     sent = [(t.keys, t.first_token, t.n_tokens, list(t.device_pages)) for t in jobs]
     return lcs, sent, core.statistics(), held, shared, dev.used
 
