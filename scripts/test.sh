@@ -17,3 +17,7 @@ fi
 echo "== redis"; eval "$(bash scripts/redis.sh start)"; trap 'bash scripts/redis.sh stop' EXIT
 export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
 echo "== pytest"; python -m pytest -q "$@"
+# SGLang's real classes (a second environment, CPU only: scripts/setup_sglang.sh). The
+# integration tests run again there, where the real-class tests must run, not skip.
+echo "== sglang"; bash scripts/setup_sglang.sh
+KVOFFLOAD_REQUIRE_SGLANG=1 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/integrations
