@@ -120,7 +120,7 @@ class _Entry:
     """kvoffload's state of one SGLang ``Req``, keyed by the Req object (never its rid):
     a reused rid is another Req and shares nothing."""
 
-    __slots__ = ("base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed")
+    __slots__ = ("ahead", "base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed", "served")
 
     def __init__(self, seed: str) -> None:
         # ref: the Req, weakly: once no lifecycle of it is live, a Req the scheduler drops
@@ -148,6 +148,13 @@ class _Entry:
         self.finishing: Lifecycle | None = None
         # done: SGLang's release path ran for this Req. Invariant: it runs at most once.
         self.done = False
+        # served: the scheduler iteration (manager._step) of the Req's last call.
+        self.served = -1
+        # ahead: (iteration, first page index, slots) - the row's page-start slots read
+        #   in that iteration's one batched read, for the pages the Req enters in it; used
+        #   only in that iteration and only while the row is the Req's. Invariant:
+        #   self.ahead is None or (self.ahead[0] <= manager._step and self.row is not None)
+        self.ahead: tuple[int, int, list[int]] | None = None
 
 
 class _Ongoing:
@@ -283,6 +290,11 @@ class DecodeKVCacheOffloadManager:
         self._ending: dict[int, Lifecycle] = {}
         # _drained: drain_before_retraction ran; the next call looks for rows taken back.
         self._drained = False
+        # _step: scheduler iterations so far (check_offload_progress calls); _read_at: the
+        # iteration of the last batched read of req_to_token (_step_read), at most one
+        # per iteration. Invariant: self._read_at <= self._step
+        self._step = 0
+        self._read_at = -1
         self.ongoing_offload = _Ongoing(self.manager)
         self.manager.open()
 
@@ -340,7 +352,7 @@ class DecodeKVCacheOffloadManager:
         if self._dead:
             self._reap()
         if self._drained:  # a retraction may have happened since: find it before using rows
-            self._scan_reclaimed()
+            self._scan_reclaimed(read_ahead=True)
         try:
             return self._offload(req)
         except PageError:  # nothing changed: find the rows taken back, then once more
@@ -362,6 +374,7 @@ class DecodeKVCacheOffloadManager:
             return False
         if e.finishing is not None:  # finished before: its release still waits for an ack
             return True
+        e.served = self._step
         lc = e.lc
         if lc is not None and e.row != row:
             self._reclaimed(e)
@@ -375,10 +388,13 @@ class DecodeKVCacheOffloadManager:
             have = e.base + lc.committed
             before = lc.submitted
             if committed > have:
-                new = out[have - n_origin : committed - n_origin]
+                if have >= n_origin:
+                    new = out[have - n_origin : committed - n_origin]
+                else:  # admitted this far (the prompt's last, partial page): told now
+                    new = [*req.origin_input_ids[have:], *out[: committed - n_origin]]
                 ps = self.page_size
                 if -(-committed // ps) > -(-have // ps):
-                    lc.extend(new, pages=self._pages(row, have, committed))
+                    lc.extend(new, pages=self._step_pages(e, row, have, committed))
                 else:
                     lc.extend(new)
             sent = lc.submitted > before
@@ -397,6 +413,7 @@ class DecodeKVCacheOffloadManager:
         First, a request whose row the engine took back since the last call (its
         ``req_pool_idx`` changed: retraction or preemption) has its lifecycle ended, so
         a copy of rows no longer its own is discarded, never stored (F32)."""
+        self._step += 1
         if self._drained:
             self._scan_reclaimed()
         elif self._running:
@@ -510,33 +527,137 @@ class DecodeKVCacheOffloadManager:
         """A lifecycle for the tokens ``req`` committed beyond what is stored: the
         page-aligned prompt (the prefill side stored it) or, after a retraction, what
         was offloaded before it. Stored pages are never read, so they are not held: a
-        prefix the engine's radix cache shares between requests is no conflict."""
+        prefix the engine's radix cache shares between requests is no conflict.
+
+        An unfinished request is admitted with none of those tokens yet: they are told at
+        its next call, their page ids read in that iteration's one batched read with every
+        other request's (a request's first call comes after the iteration's read: SGLang
+        appends arrivals to the running batch). Nothing is lost by it; a chunk the first
+        tokens already complete goes out one iteration later. A request that finishes at
+        its first call is told everything now."""
         if self._drained:
-            self._scan_reclaimed()
+            self._scan_reclaimed(read_ahead=True)
         ps = self.page_size
-        tokens = [*req.origin_input_ids, *req.output_ids[: committed - len(req.origin_input_ids)]]
+        n = len(req.origin_input_ids)
         if e.resume is not None:
             stored, chain = e.resume
         else:
-            n = len(req.origin_input_ids)
             stored = n - n % ps
             chain = e.seed
             if stored:
-                chain = page_run_keys(e.seed or None, validate_tokens(tokens[:stored], "prompt"), ps)[-1]
-        pages = self._pages(row, stored, committed)
-        lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
+                chain = page_run_keys(
+                    e.seed or None, validate_tokens(req.origin_input_ids[:stored], "prompt"), ps
+                )[-1]
+        tokens: list[int] = []
+        pages: list[int] = []
+        if req.finished() and committed > stored:
+            tokens = [*req.origin_input_ids, *req.output_ids[: committed - n]][stored:committed]
+            pages = self._step_pages(e, row, stored, committed)
+        lc = self.manager.admit(req.rid, tokens, pages=pages, tag=e, chain_seed=chain, stored=0)
         e.lc, e.row, e.base, e.resume, e.req = lc, row, stored, None, req
         self._running[lc.id] = e
         return lc
 
+    # --- page ids: one host read of req_to_token per scheduler iteration ------------------
+    #
+    # SGLang's req_to_token is a device tensor: every host read of it is a device sync.
+    # kvoffload's bookkeeping needs page ids as ints, so they are read in one batched read
+    # per iteration (between two check_offload_progress calls): at the first call that
+    # needs a page id, the page-start slots of every page any running request enters in
+    # this iteration are gathered (device views, one concatenation, one tolist()). What a
+    # request enters is foreseen from its row: the positions SGLang has written KV for
+    # (kv.kv_committed_len, advanced before the forward) that the request has not told
+    # yet, capped at its token count (never a position of a later forward). Positions
+    # below kv_committed_len keep their slot while the row is the request's; a read made
+    # before a retraction is never used after it (drain and _reclaimed drop it).
+
+    def _step_pages(self, e: _Entry, row: Any, have: int, committed: int) -> list[int]:
+        """Page ids of the pages tokens ``have..committed`` of ``e``'s row start: from
+        this iteration's batched read (made now if not made yet); a request the read did
+        not foresee (more tokens than its row showed, as speculative decoding may
+        commit) reads its own (a second read in the iteration)."""
+        ps = self.page_size
+        a, b = -(-have // ps), -(-committed // ps)
+        ahead = e.ahead
+        if ahead is None or ahead[0] != self._step or ahead[1] != a or len(ahead[2]) < b - a:
+            if self._read_at == self._step:
+                return self._pages(row, have, committed)
+            views: list[Any] = []
+            owners: list[tuple[_Entry, int, int]] = []
+            self._want(views, owners, e, row, a, b)
+            self._read_ahead(views, owners, e)
+            self._read(views, owners)
+            ahead = e.ahead
+            assert ahead is not None
+        return self._page_ids(row, ahead[2][: b - a])
+
+    def _want(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], e: _Entry, row: Any, a: int, b: int
+    ) -> None:
+        """Add the page-start slots of pages ``a..b`` of ``row`` (a device view) for ``e``."""
+        ps = self.page_size
+        v = self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps]
+        views.append(v)
+        owners.append((e, a, int(v.shape[0])))
+
+    def _read_ahead(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], skip: _Entry | None
+    ) -> None:
+        """Add, for each running request not called yet in this iteration, the pages its
+        row shows it enters in this iteration (see the section comment); marks the
+        iteration's read as made."""
+        self._read_at = step = self._step
+        ps = self.page_size
+        for x in self._running.values():
+            if x.served == step or x is skip:
+                continue
+            req, lc = x.req, x.lc
+            kv = req.kv
+            written = getattr(kv, "kv_committed_len", None)
+            if kv.req_pool_idx != x.row or type(written) is not int:
+                continue
+            assert lc is not None
+            have = x.base + lc.committed
+            a = -(-have // ps)
+            b = -(-min(written, len(req.origin_input_ids) + len(req.output_ids)) // ps)
+            if b > a:
+                self._want(views, owners, x, x.row, a, b)
+
+    def _read(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], first: int = 0
+    ) -> list[list[int]]:
+        """The one host read: every view's slots (returned, in order); the owner of each
+        view from ``first`` on gets it as its ``ahead`` for this iteration."""
+        if not views:
+            return []
+        if len(views) == 1:
+            flat = views[0].tolist()
+        else:
+            import torch  # the rows are a torch tensor: torch is loaded
+
+            flat = torch.cat(views).tolist()
+        out, i, step = [], 0, self._step
+        for k, (x, a, n) in enumerate(owners):
+            slots = flat[i : i + n]
+            i += n
+            out.append(slots)
+            if k >= first:
+                x.ahead = (step, a, slots)
+        return out
+
     def _pages(self, row: Any, start: int, end: int) -> list[int]:
         """SGLang's page ids of the pages that tokens ``start..end`` of request row
-        ``row`` start (from the row's first slot of each page)."""
+        ``row`` start (from the row's first slot of each page): a read of its own."""
         ps = self.page_size
         a, b = -(-start // ps), -(-end // ps)
         if b <= a:
             return []
-        slots = self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps].tolist()
+        return self._page_ids(row, self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps].tolist())
+
+    def _page_ids(self, row: Any, slots: list[int]) -> list[int]:
+        """Page ids from page-start slots; :class:`~kvoffload.PageError` for a slot that
+        does not start a page (the allocator's pages and the row disagree)."""
+        ps = self.page_size
         if ps == 1:
             return [int(s) for s in slots]
         bad = [s for s in slots if s % ps]
@@ -547,24 +668,41 @@ class DecodeKVCacheOffloadManager:
             )
         return [int(s) // ps for s in slots]
 
-    def _scan_reclaimed(self) -> bool:
+    def _scan_reclaimed(self, read_ahead: bool = False) -> bool:
         """After a drain (or a page claimed twice): end the lifecycle of every unfinished
         Req whose row or pages the engine took back (retraction; a resumed request may
-        get the same row with other pages). Reads each live request's page ids once: a
-        cold path, after a retraction only. Returns whether any was taken back."""
+        get the same row with other pages). Reads every live request's page ids in one
+        host read - with this iteration's page reads when ``read_ahead`` (called from
+        ``offload_kv_cache``, whose iteration's forward has run) and not made yet.
+        Returns whether any was taken back."""
         self._drained = False
-        found = False
-        for e in list(self._running.values()):
-            req, lc = e.req, e.lc
-            assert lc is not None and req is not None
-            row = req.kv.req_pool_idx
+        entries = list(self._running.values())
+        views: list[Any] = []
+        owners: list[tuple[_Entry, int, int]] = []
+        for e in entries:
+            e.ahead = None
+            lc = e.lc
+            assert lc is not None and e.req is not None
+            if e.req.kv.req_pool_idx == e.row and lc.device_pages:
+                a = e.base // self.page_size
+                self._want(views, owners, e, e.row, a, a + len(lc.device_pages))
+        n_held = len(owners)
+        if read_ahead and self._read_at != self._step:
+            self._read_ahead(views, owners, None)
+        got = self._read(views, owners, first=n_held)
+        held = {id(e): slots for (e, _, _), slots in zip(owners[:n_held], got, strict=False)}
+        gone = []
+        for e in entries:
+            lc = e.lc
+            assert lc is not None
             # The same row with exactly the pages lc holds: nothing was taken back (or all
             # of it was given back as it was, its KV recomputed from the same tokens).
-            if row == e.row and self._pages(row, e.base, e.base + lc.committed) == lc.device_pages:
-                continue
+            taken = e.req.kv.req_pool_idx != e.row
+            if taken or (id(e) in held and self._page_ids(e.row, held[id(e)]) != lc.device_pages):
+                gone.append(e)
+        for e in gone:
             self._reclaimed(e)
-            found = True
-        return found
+        return bool(gone)
 
     def _rows_taken_back(self) -> None:
         """End the lifecycle of every unfinished Req whose row index changed since its
@@ -612,6 +750,7 @@ class DecodeKVCacheOffloadManager:
             stored = min(mine, default=stored)
             chain = self._chain_at(e, e.base + stored)
         e.resume = (e.base + stored, chain)
+        e.ahead = None
         e.lc = None
         e.row = None
         e.req = None
