@@ -120,7 +120,20 @@ class _Entry:
     """kvoffload's state of one SGLang ``Req``, keyed by the Req object (never its rid):
     a reused rid is another Req and shares nothing."""
 
-    __slots__ = ("ahead", "base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed", "served")
+    __slots__ = (
+        "ahead",
+        "base",
+        "done",
+        "edge",
+        "finishing",
+        "lc",
+        "ref",
+        "req",
+        "resume",
+        "row",
+        "seed",
+        "served",
+    )
 
     def __init__(self, seed: str) -> None:
         # ref: the Req, weakly: once no lifecycle of it is live, a Req the scheduler drops
@@ -155,6 +168,10 @@ class _Entry:
         #   only in that iteration and only while the row is the Req's. Invariant:
         #   self.ahead is None or (self.ahead[0] <= manager._step and self.row is not None)
         self.ahead: tuple[int, int, list[int]] | None = None
+        # edge: the tokens up to the next page lc has no page id of yet (a token beyond it
+        #   starts a new page). Invariant: lc is None or
+        #   self.edge == -(-(self.base + lc.committed) // page_size) * page_size
+        self.edge = 0
 
 
 class _Ongoing:
@@ -393,8 +410,9 @@ class DecodeKVCacheOffloadManager:
                 else:  # admitted this far (the prompt's last, partial page): told now
                     new = [*req.origin_input_ids[have:], *out[: committed - n_origin]]
                 ps = self.page_size
-                if -(-committed // ps) > -(-have // ps):
+                if committed > e.edge:
                     lc.extend(new, pages=self._step_pages(e, row, have, committed))
+                    e.edge = -(-committed // ps) * ps
                 else:
                     lc.extend(new)
             sent = lc.submitted > before
@@ -555,6 +573,7 @@ class DecodeKVCacheOffloadManager:
             pages = self._step_pages(e, row, stored, committed)
         lc = self.manager.admit(req.rid, tokens, pages=pages, tag=e, chain_seed=chain, stored=0)
         e.lc, e.row, e.base, e.resume, e.req = lc, row, stored, None, req
+        e.edge = -(-(stored + len(tokens)) // ps) * ps
         self._running[lc.id] = e
         return lc
 
@@ -608,18 +627,20 @@ class DecodeKVCacheOffloadManager:
         iteration's read as made."""
         self._read_at = step = self._step
         ps = self.page_size
-        for x in self._running.values():
-            if x.served == step or x is skip:
+        running = self._running.values()
+        try:  # the hot loop, over every running request: two attribute chains each
+            entering = [x for x in running if x.req.kv.kv_committed_len > x.edge]
+        except (AttributeError, TypeError):  # a Req without an int kv_committed_len: no foresight
+            entering = [x for x in running if type(getattr(x.req.kv, "kv_committed_len", None)) is int]
+            entering = [x for x in entering if x.req.kv.kv_committed_len > x.edge]
+        for x in entering:
+            req = x.req
+            if x.served == step or x is skip or req.kv.req_pool_idx != x.row:
                 continue
-            req, lc = x.req, x.lc
-            kv = req.kv
-            written = getattr(kv, "kv_committed_len", None)
-            if kv.req_pool_idx != x.row or type(written) is not int:
-                continue
+            lc = x.lc
             assert lc is not None
-            have = x.base + lc.committed
-            a = -(-have // ps)
-            b = -(-min(written, len(req.origin_input_ids) + len(req.output_ids)) // ps)
+            b = -(-min(req.kv.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids)) // ps)
+            a = -(-(x.base + lc.committed) // ps)
             if b > a:
                 self._want(views, owners, x, x.row, a, b)
 
