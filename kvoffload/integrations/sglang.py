@@ -5,7 +5,8 @@ methods.
 
 It is a :class:`~kvoffload.SyncOffloadManager` in engine-owned mode: SGLang's per-layer
 KV buffers are the device pages (``token_to_kv_pool_allocator.get_kvcache()``), page
-ids come from SGLang's request rows (``req_to_token_pool.req_to_token``), the chain of
+ids come from SGLang's request rows (``req_to_token_pool.req_to_token``, read on the host
+once per scheduler iteration for every request entering a page), the chain of
 each request is seeded from ``req.extra_key`` / ``req.cache_salt``, the TP group makes
 every rank release the same requests in the same call, and a finished request's KV is
 released through SGLang's own path (the row's KV range freed, the prefix-cache lock
@@ -308,8 +309,8 @@ class DecodeKVCacheOffloadManager:
         # _drained: drain_before_retraction ran; the next call looks for rows taken back.
         self._drained = False
         # _step: scheduler iterations so far (check_offload_progress calls); _read_at: the
-        # iteration of the last batched read of req_to_token (_step_read), at most one
-        # per iteration. Invariant: self._read_at <= self._step
+        # iteration of the last batched read of req_to_token (_step_pages, _scan_reclaimed),
+        # at most one per iteration. Invariant: self._read_at <= self._step
         self._step = 0
         self._read_at = -1
         self.ongoing_offload = _Ongoing(self.manager)
@@ -550,9 +551,11 @@ class DecodeKVCacheOffloadManager:
         An unfinished request is admitted with none of those tokens yet: they are told at
         its next call, their page ids read in that iteration's one batched read with every
         other request's (a request's first call comes after the iteration's read: SGLang
-        appends arrivals to the running batch). Nothing is lost by it; a chunk the first
-        tokens already complete goes out one iteration later. A request that finishes at
-        its first call is told everything now."""
+        appends arrivals to the running batch). A chunk those tokens already complete goes
+        out one iteration later; a request released through
+        :meth:`finalize_release_on_finish` with no call in between stores none of them (as
+        it stores nothing of a step it was not called for). A request that finishes at its
+        first call is told everything now."""
         if self._drained:
             self._scan_reclaimed(read_ahead=True)
         ps = self.page_size
