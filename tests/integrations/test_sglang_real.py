@@ -15,6 +15,7 @@ sglang_cpu.require()
 import pytest  # noqa: E402
 import sglang_real as sr  # noqa: E402
 
+import kvoffload as kvo  # noqa: E402
 from kvoffload.storage.memory import MemoryStorage  # noqa: E402
 from kvoffload.testing import SimBackend  # noqa: E402
 
@@ -164,3 +165,68 @@ def test_f29_a_prefix_matched_from_the_tree_stays_the_trees(tree: str, page_size
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
         mgr.release_host_resources()
+
+
+# --- settings: where SGLang's own manager reads them ---------------------------------------
+
+
+def files_under(root: Any) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+
+def test_the_one_line_swap_reads_sglangs_published_settings(tmp_path: Any, monkeypatch: Any) -> None:
+    """SGLang's scheduler builds the manager with four arguments and no server_args;
+    SGLang's own manager reads the published runtime config. After the one-line swap,
+    with only the runtime context published: ``--hicache-storage-backend file`` stores
+    (under ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``), the host pool is sized by
+    ``--hicache-ratio`` as SGLang sizes its own (the device pool's tokens times the
+    ratio, in whole pages), and the stride comes from SGLang's ``envs``."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "9")
+    with sr.engine(page_size=4, slots=256, hicache_storage_backend="file", hicache_ratio=3.0) as eng:
+        sim = SimBackend()
+        mgr = eng.manager(backend=sim)  # SGLang's line: (r2t, allocator, tp_group, tree_cache)
+        assert mgr.manager.config.host_pages == int(256 * 3.0) // 4
+        assert mgr.offload_stride == 8  # 9 tokens rounded down to whole pages, as SGLang does
+        req = eng.new_req("a", list(range(9)), max_new_tokens=20)
+        eng.admit(req)
+        run_to_end(eng, mgr, sim, [req])
+        for _ in range(10_000):  # the idle loop until the storage writes are collected
+            mgr.check_offload_progress()
+            if not mgr.statistics().pages_in_write:
+                break
+            mgr.manager.wait_progress(0.01)
+        assert mgr.statistics().pages_stored >= (9 + 19) // 4 - 9 // 4
+        assert files_under(tmp_path), "nothing was stored under the file backend's directory"
+        mgr.release_host_resources()
+
+
+def test_hicache_size_sizes_the_host_pool_as_sglang_does() -> None:
+    """``--hicache-size`` (GB) wins over the ratio: SGLang's host pool holds
+    ``int(size * 1e9 // bytes per token)`` tokens; kvoffload's that many whole pages."""
+    with sr.engine(page_size=4, slots=256, hicache_size=0.0001, hicache_ratio=3.0) as eng:
+        mgr = eng.manager(backend=SimBackend(), storage=None)
+        per_token = 2 * sr.HEADS * sr.HEAD_DIM * 2 * 2  # K and V, 2 layers, float16
+        assert mgr.manager.config.host_pages == int(0.0001 * 1e9 // per_token) // 4
+        mgr.release_host_resources()
+
+
+def test_server_args_when_passed_win_over_the_published_settings() -> None:
+    """A ``server_args`` passed to the drop-in (its optional fifth argument) is read
+    instead of the published context."""
+    with sr.engine(page_size=4, slots=256, hicache_ratio=3.0) as eng:
+        args = sr.server_args(page_size=4, hicache_ratio=0.5)
+        mgr = eng.manager(backend=SimBackend(), server_args=args)
+        assert mgr.manager.config.host_pages == int(256 * 0.5) // 4
+        mgr.release_host_resources()
+
+
+def test_a_published_page_size_other_than_the_allocators_is_refused() -> None:
+    """SGLang keys pages on its published page size; an allocator page of another size
+    (decode context parallelism widens it) is refused by name, nothing opened."""
+    with sr.engine(page_size=4) as eng:
+        from sglang.srt import runtime_context as rc
+
+        rc.get_context().override("test", page_size=8)
+        with pytest.raises(kvo.ConfigError, match="page_size is 8"):
+            eng.manager(backend=SimBackend(), storage=None)
