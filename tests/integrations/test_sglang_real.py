@@ -5,6 +5,7 @@ wait. Skipped without sglang unless ``KVOFFLOAD_REQUIRE_SGLANG=1`` (then they fa
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -230,3 +231,121 @@ def test_a_published_page_size_other_than_the_allocators_is_refused() -> None:
         rc.get_context().override("test", page_size=8)
         with pytest.raises(kvo.ConfigError, match="page_size is 8"):
             eng.manager(backend=SimBackend(), storage=None)
+
+
+# --- F31, F32 on the real classes ------------------------------------------------------------
+
+
+def test_f31_tp_ranks_whose_collectors_run_at_other_moments_stay_in_step(tmp_path: Any) -> None:
+    """F31 on two gloo ranks and SGLang's real objects: a Req dropped mid-decode in a
+    reference cycle is collected on rank 0 at once and on rank 1 never. Both ranks see
+    the same lifecycles, aborts, discarded copies and pages after every iteration,
+    release the same requests in the same iterations (no collective raises
+    RanksDiverged), and every slot and row is back in SGLang's allocator and pool.
+    (MHA: each rank's KV differs; MLA under TP is covered by test_sglang.py's fakes.)"""
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=240.0) as ranks:
+        r0, r1 = ranks.run(sr.tp_rank_run, 11, str(tmp_path), True, "mha")
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert r0["released"] == r0["names"], "every request not dropped was released"
+    aborted = [c[2] for c in r0["counts"]]  # released ABORTED: only the dropped request is
+    assert aborted[11] == 0 and aborted[12] == 1, f"the dropped request ends when its row goes: {aborted}"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0
+        assert r["free"] == r["capacity"] and r["rows_free"] == 16
+
+
+class FinishesWhenWaitedOn(SimBackend):
+    """A copy engine whose pending copies all finish when the caller waits for one (the
+    test's schedule; nothing finishes on its own)."""
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        self.complete_all()
+        return super().wait_ready(timeout)
+
+
+def check_stored(eng: sr.Engine, mgr: Any, storage: MemoryStorage, req: Any, first: int, last: int) -> None:
+    """Pages ``first..last`` of ``req`` are stored under SGLang's keys (SGLang's own
+    hash) with the bytes the engine wrote."""
+    for _ in range(10_000):  # the idle loop until the storage writes are collected
+        mgr.check_offload_progress()
+        if not mgr.statistics().pages_in_write:
+            break
+        mgr.manager.wait_progress(0.01)
+    ps = eng.page_size
+    tokens = eng.tokens(req)
+    keys = sr.page_keys(tokens, ps, extra_key=req.extra_key, cache_salt=req.cache_salt)[first:last]
+    got = asyncio.run(storage.get(keys))
+    for i, (key, page) in enumerate(zip(keys, got, strict=True)):
+        p = first + i
+        assert page is not None, f"{req.rid}: page {p} ({key[:12]}) missing from storage"
+        assert page == eng.expected_kv_bytes(tokens, p * ps, (p + 1) * ps), f"{req.rid}: page {p} bytes"
+
+
+def page_ids(eng: sr.Engine, req: Any) -> set[int]:
+    ps = eng.page_size
+    return {s // ps for s in eng.row_slots(req, 0, req.kv.kv_allocated_len)}
+
+
+@pytest.mark.parametrize("path", ["extend", "admit"])
+def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_call(path: str) -> None:
+    """F32 on SGLang's real objects: request a is preempted (SGLang's ``release_req``,
+    no ``drain_before_retraction()`` first, as priority preemption does) while its copy
+    is in flight; SGLang's allocator hands a's freed pages to b's next step
+    (``extend``) or to a new request c (``admit``). That call must not fail; a resumes
+    (``restore_kv_cache``) and its chain goes on; every request's pages are stored
+    under SGLang's keys with the engine's bytes, and every slot comes back once."""
+    with sr.engine(page_size=4) as eng:
+        sim = FinishesWhenWaitedOn()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage)
+        a = eng.new_req("a", list(range(9)), max_new_tokens=40)
+        b = eng.new_req("b", list(range(6)), max_new_tokens=30)
+        eng.admit(a)
+        eng.admit(b)
+        running = [a, b]
+
+        def ready() -> bool:
+            copying = any(t.lifecycle.tag.ref() is a for t in sim.pending)
+            b_grows = b.kv.kv_committed_len % eng.page_size == 0  # b's next slot starts a page
+            return copying and (path == "admit" or b_grows)
+
+        for _ in range(60):
+            if ready():
+                break
+            eng.step(mgr, running)
+        assert ready()
+        a_pages = page_ids(eng, a)
+        mgr.check_offload_progress()  # SGLang's order: progress, batch selection, the step
+        assert eng.retract(a)  # priority preemption: no drain, a's copy still reads its rows
+        running = [b]
+        reqs = [a, b]
+        if path == "admit":
+            c = eng.new_req("c", list(range(50, 63)), max_new_tokens=20)
+            eng.admit(c)
+            running.append(c)
+            reqs.append(c)
+            assert a_pages & page_ids(eng, c), "c was handed a's pages"
+        eng.step(mgr, running)  # the step's offload calls: none may raise
+        if path == "extend":
+            assert page_ids(eng, b) & a_pages, "b's new page was a's"
+        eng.resume(a)
+        running.append(a)
+        for _ in range(10_000):
+            running = [r for r in running if not r.finished()]
+            if not running:
+                break
+            sim.complete_all()
+            eng.step(mgr, running)
+        while mgr.ongoing_offload or sim.pending:
+            sim.complete_all()
+            mgr.check_offload_progress()
+        assert all(released(r) for r in reqs)
+        for r in reqs:
+            n = len(r.origin_input_ids) + len(r.output_ids) - 1
+            check_stored(eng, mgr, storage, r, len(r.origin_input_ids) // 4, n // 4)
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
