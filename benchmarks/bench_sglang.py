@@ -46,6 +46,7 @@ import socket
 import statistics
 import sys
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -68,13 +69,13 @@ class KV:
 
 
 class Req:
-    """What both managers read of SGLang's ``Req`` (plain lists, as the drop-in's
-    ``origin_input_ids + output_ids`` needs)."""
+    """What both managers read of SGLang's ``Req``, with SGLang 0.5.23's types: the
+    prompt and the outputs are ``array("q")`` (schedule_batch.py, ``Req.__init__``)."""
 
     def __init__(self, rid: int, prompt: int, row: int) -> None:
         self.rid = f"r{rid}"
-        self.origin_input_ids = [(rid * 131 + j) % 50_000 for j in range(prompt)]
-        self.output_ids = [1]  # the prefill side's first token
+        self.origin_input_ids = array("q", [(rid * 131 + j) % 50_000 for j in range(prompt)])
+        self.output_ids = array("q", [1])  # the prefill side's first token
         self.kv = KV(row, prompt)
         self.extra_key = self.cache_salt = None
         self.lock = None
@@ -292,7 +293,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--context", type=int, default=4096, help="prompt tokens of each request")
     ap.add_argument("--steps", type=int, default=2 * STRIDE, help="decode steps per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument(
         "--aligned",
         action="store_true",
@@ -358,8 +359,8 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name, _, _ in paths}
     copied = {name: -pages_copied(mgr) for name, mgr, _ in paths}
-    for _ in range(args.rounds):
-        for name, mgr, sim in paths:
+    for k in range(args.rounds):  # interleaved, each path first in turn (no place favoured)
+        for name, mgr, sim in paths[k % 3 :] + paths[: k % 3]:
             times[name].append(run(name, mgr, sim, args.steps))
     for name, mgr, _ in paths:
         copied[name] += pages_copied(mgr)

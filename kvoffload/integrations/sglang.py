@@ -485,6 +485,8 @@ class DecodeKVCacheOffloadManager:
             if committed > have:
                 if have >= n_origin:
                     new = out[have - n_origin : committed - n_origin]
+                    if type(new) is not list:  # SGLang's array("q"): the core's fast path takes a list
+                        new = list(new)
                 else:  # admitted this far (the prompt's last, partial page): told now
                     new = [*req.origin_input_ids[have:], *out[: committed - n_origin]]
                 ps = self.page_size

@@ -17,6 +17,7 @@ not the integration's). A logic test: nothing here is timed.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -306,3 +307,111 @@ def test_rows_on_the_cpu_need_no_wrapper() -> None:
     reqs = [Req(f"c{i}", list(range(i, i + 5 + i)), max_new=17) for i in range(5)]
     engine.run(reqs)
     check_every_page_stored(mgr, engine, storage, reqs)
+
+
+# --- on SGLang's real classes ----------------------------------------------------------------
+
+
+def _real() -> Any:
+    """tests/integrations/sglang_real.py, or the skip (the failure under
+    ``KVOFFLOAD_REQUIRE_SGLANG=1``) when SGLang's real classes do not import here."""
+    import sglang_cpu
+
+    ok, reason = sglang_cpu.available()
+    if not ok:
+        if os.environ.get("KVOFFLOAD_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"KVOFFLOAD_REQUIRE_SGLANG=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    import sglang_real
+
+    return sglang_real
+
+
+def real_iteration(
+    eng: Any, mgr: Any, reqs: list[Any], before_forward: Callable[[], None] | None = None
+) -> None:
+    """One iteration of SGLang's decode scheduler on the harness (``sr.Engine.step`` with
+    a batch-selection hook): ``check_offload_progress``, then batch selection, SGLang's
+    ``alloc_for_decode`` and the forward for every running request, then each result."""
+    mgr.check_offload_progress()
+    if before_forward is not None:
+        before_forward()
+    running = [r for r in reqs if not r.finished() and r.kv.req_pool_idx not in (None, -1)]
+    for req in running:
+        eng.decode_step(req)
+    for req in running:
+        if not req.finished():
+            mgr.offload_kv_cache(req)
+        elif not mgr.offload_kv_cache(req):
+            mgr.finalize_release_on_finish(req)
+
+
+def test_one_host_read_per_iteration_on_sglangs_real_rows() -> None:
+    """SGLang's real ``ReqToTokenPool``, paged allocator (debug mode), ``Req``s and
+    retraction (``release_req``, ``restore_kv_cache``): sixteen requests, twelve
+    entering a page in the same iterations, arrivals, finishes, three retracted at batch
+    selection and resumed: at most one host read of ``req_to_token`` per iteration, the
+    pages stored are the rows' own (SGLang's keys, the bytes the engine wrote), and
+    every slot comes back to the allocator once."""
+    sr = _real()
+    with sr.engine(page_size=PS, rows=32, slots=4096, max_context=256) as eng:
+        eng.req_to_token_pool.req_to_token = eng.req_to_token_pool.req_to_token.as_subclass(CountedRows)
+        storage = MemoryStorage()
+        mgr = eng.manager(storage=storage, backend=SimBackend(), host_pages=512, drain_timeout_s=5.0)
+        sim = mgr.manager.backend
+        instrument(mgr)
+        same = [eng.new_req(f"s{i}", [i * 100 + j for j in range(4 * (i % 3) + 3)], 30) for i in range(12)]
+        offset = [eng.new_req(f"o{i}", [7000 + i * 100 + j for j in range(5 + i)], 22 + i) for i in range(4)]
+        late = [eng.new_req(f"l{i}", [9000 + i * 100 + j for j in range(6 + i)], 9) for i in range(4)]
+        everyone = same + offset + late
+        running = same + offset
+        for req in running:
+            eng.admit(req)
+        victims = offset[:3]
+
+        def arrive() -> None:
+            for req in late:
+                eng.admit(req)
+            running.extend(late)
+
+        def retract() -> None:
+            mgr.drain_before_retraction()
+            for v in victims:
+                eng.retract(v)
+
+        def resume() -> None:
+            for v in victims:
+                eng.resume(v)
+
+        plan = {3: arrive, 5: retract, 7: resume}
+        most_entering, reads = 0, 0
+        for it in range(200):
+            live = [r for r in running if not r.finished() and r.kv.req_pool_idx not in (None, -1)]
+            most_entering = max(most_entering, sum(r.kv.kv_committed_len % PS == 0 for r in live))
+            _READS.log.clear()
+            real_iteration(eng, mgr, running, plan.get(it))
+            assert len(_READS.log) <= 1, f"iteration {it}: {len(_READS.log)} host reads: {_READS.log}"
+            reads += len(_READS.log)
+            sim.complete_all()
+            if it > 7 and all(r.finished() for r in everyone):
+                break
+        assert most_entering >= 12 and reads >= 5, (most_entering, reads)
+        assert mgr.statistics().released_aborted == len(victims)  # their rows were found taken back
+        mgr.drain_before_retraction()
+        while mgr.ongoing_offload or mgr.statistics().pages_in_write:
+            mgr.check_offload_progress()
+            mgr.manager.wait_progress(0.05)
+        for req in everyone:
+            tokens = eng.tokens(req)
+            keys = sr.page_keys(tokens, PS)
+            first = len(req.origin_input_ids) // PS
+            got = asyncio.run(storage.get(keys[first:]))
+            for p, page in enumerate(got, start=first):
+                assert page is not None, f"{req.rid}: page {p} missing from storage"
+                assert page == eng.expected_kv_bytes(tokens, p * PS, (p + 1) * PS), (
+                    f"{req.rid}: page {p} bytes"
+                )
+        assert mgr.statistics().live_lifecycles == 0
+        mgr.release_host_resources()
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
