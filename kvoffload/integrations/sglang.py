@@ -663,7 +663,8 @@ class DecodeKVCacheOffloadManager:
     # (kv.kv_committed_len, advanced before the forward) that the request has not told
     # yet, capped at its token count (never a position of a later forward). Positions
     # below kv_committed_len keep their slot while the row is the request's; a read made
-    # before a retraction is never used after it (drain and _reclaimed drop it).
+    # before a retraction is never used after it (drain and _reclaimed drop it), nor in
+    # another iteration (a preempted request resumes on its row in a later iteration).
 
     def _step_pages(self, e: _Entry, row: Any, have: int, committed: int) -> list[int]:
         """Page ids of the pages tokens ``have..committed`` of ``e``'s row start: from

@@ -309,6 +309,73 @@ def test_rows_on_the_cpu_need_no_wrapper() -> None:
     check_every_page_stored(mgr, engine, storage, reqs)
 
 
+class SpecEngine(SGLangOrderEngine):
+    """Speculative decoding in SGLang's order: a request in ``accept`` commits that many
+    tokens in each step (their KV written by the forward, ``kv_committed_len`` advanced
+    by as many), which its row shows only once its own call comes."""
+
+    def __init__(self, accept: dict[str, int], **kw: Any) -> None:
+        super().__init__(**kw)
+        self.accept = accept
+
+    def forward(self) -> None:
+        self._sampled_k: dict[int, list[int]] = {}
+        for req in self.running:
+            k = self.accept.get(req.rid, 1)
+            pos = len(req.origin_input_ids) + len(req.output_ids) - 1
+            self._grow(req, pos + k + 1)
+            new = [next(self._next_token) for _ in range(k)]
+            req.output_ids.extend(new)  # the verified tokens, for the KV of their positions
+            for p in range(pos, pos + k):
+                self._write(req, p)
+            del req.output_ids[-k:]
+            req.kv.kv_committed_len = pos + k
+            self._sampled_k[id(req)] = new
+
+    def process_results(self) -> list[Req]:
+        mgr = self.mgr
+        assert mgr is not None
+        done = []
+        for req in self.running:
+            req.output_ids.extend(self._sampled_k[id(req)])
+            if len(req.output_ids) >= req.max_new:
+                req.finished_reason = "length"
+            if not req.finished():
+                mgr.offload_kv_cache(req)
+            else:
+                if not mgr.offload_kv_cache(req):
+                    mgr.finalize_release_on_finish(req)
+                done.append(req)
+        self.running = [r for r in self.running if not r.finished()]
+        return done
+
+
+def test_a_request_that_commits_more_than_its_row_showed_reads_its_own() -> None:
+    """Speculative decoding: requests committing three tokens a step enter pages the
+    iteration's read did not foresee (their rows showed one new token); each reads its
+    own page ids (one more host read for each), and every page stored is still the
+    row's own."""
+    engine = SpecEngine({"k0": 3, "k1": 3}, page_size=PS, rows=16, n_pages=300)
+    counted(engine)
+    storage = MemoryStorage()
+    sim = SimBackend()
+    mgr = engine.manager(storage=storage, backend=sim, host_pages=128, drain_timeout_s=5.0)
+    instrument(mgr)
+    reqs = [Req(f"k{i}", [i * 100 + j for j in range(5 + i)], max_new=40) for i in range(2)]
+    reqs += [Req(f"n{i}", [5000 + i * 100 + j for j in range(3 + 4 * i)], max_new=30) for i in range(6)]
+    for req in reqs:
+        engine.prefill(req)
+    most = 0
+    while engine.running:
+        _READS.log.clear()
+        engine.iteration()
+        most = max(most, len(_READS.log))
+        assert len(_READS.log) <= 1 + len(engine.accept), _READS.log
+        sim.complete_all()
+    assert most >= 2, "a multi-token step read its own pages at least once"
+    check_every_page_stored(mgr, engine, storage, reqs)
+
+
 # --- on SGLang's real classes ----------------------------------------------------------------
 
 
