@@ -268,7 +268,12 @@ class DecodeKVCacheOffloadManager:
     kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
     host pages return, as SGLang retries at the next step; ``"drop"``: counted and
-    retried a stride later, lost at finish), ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
+    retried a stride later, lost at finish), ``host_wait_steps`` (``None``: the wait is
+    unbounded; an int: a chunk that waited through more scheduler steps
+    (``check_offload_progress`` calls) is dropped - never a bound in wall time, so TP
+    ranks and slow steps see the same; what a finished request lost is logged with its
+    rid and counted in ``statistics().pages_lost`` and ``chunks_expired``),
+    ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
     ``release_host_resources`` wait at most), ``release`` (SGLang's release path,
     ``release(req)``; the default is :meth:`release_request_kv`).
 
@@ -289,6 +294,7 @@ class DecodeKVCacheOffloadManager:
         storage: Any = "server_args",
         backend: Any = None,
         on_host_full: str = "wait",
+        host_wait_steps: int | None = None,
         drain_timeout_s: float | None = 30.0,
         release: Callable[[Any], object] | None = None,
     ) -> None:
@@ -322,6 +328,11 @@ class DecodeKVCacheOffloadManager:
             device_pages=None,
             host_pages=host_pages,
             on_host_full=on_host_full,  # type: ignore[arg-type]  # OffloadConfig checks it
+            # The host-full wait is counted in scheduler steps (check_offload_progress
+            # calls), never in wall time: unbounded by default (a chunk waits until host
+            # pages return; they return when copies and storage writes end).
+            host_wait_s=None,
+            host_wait_polls=host_wait_steps,
             drain_timeout_s=drain_timeout_s,
             # Under TP each rank holds its own heads' KV (keys suffixed per rank, as
             # SGLang's HiCacheFile does for MHA); MLA's latent KV is the same on every rank.
@@ -719,6 +730,14 @@ class DecodeKVCacheOffloadManager:
             if e.finishing is None:
                 e.req = None
         if e.finishing is lc:
+            if lc.pages_lost:  # the request's KV was not all offloaded: say which request
+                logger.warning(
+                    "sglang.offload_incomplete",
+                    rid=lc.rid,
+                    lifecycle=int(lc.id),
+                    pages_lost=lc.pages_lost,
+                    hint="the host pool stayed full (host_wait_steps), or a copy or storage write failed",
+                )
             self._release(e.req, e)
 
     def _release(self, req: Any, e: _Entry | None) -> None:
