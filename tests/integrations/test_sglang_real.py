@@ -438,3 +438,38 @@ def test_host_wait_steps_bounds_the_wait_in_scheduler_steps_and_shows_the_loss()
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
         mgr.release_host_resources()
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_f29_a_request_with_a_matched_prefix_retracted_and_resumed_frees_only_its_own(tree: str) -> None:
+    """F29 across a retraction: a request whose prompt prefix was matched from the tree
+    is retracted (``drain_before_retraction()``, then SGLang's ``release_req``: it
+    unlocks the tree and frees only ``[cache_protected_len, ...)``), resumed on fresh
+    slots (SGLang re-matches nothing on resume), decodes to the end and is released by
+    kvoffload: the tree's pages are never freed by anyone but the tree, and after it
+    evicts every slot is on the free list exactly once."""
+    with sr.engine(page_size=4, tree=tree, decode_radix=True) as eng:
+        sim = SimBackend()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage)
+        prompt = list(range(13))
+        seeded = eng.seed_tree(prompt)
+        req = eng.new_req("a", prompt, max_new_tokens=25)
+        assert eng.admit(req) == seeded == 12
+        for _ in range(9):
+            eng.step(mgr, [req])
+            sim.complete_all()
+        mgr.check_offload_progress()
+        mgr.drain_before_retraction()
+        assert eng.retract(req) and req.lock is None
+        assert eng.tree_slots() == seeded and eng.tree_cache.protected_size() == 0
+        eng.resume(req)
+        run_to_end(eng, mgr, sim, [req])
+        assert released(req)
+        n = len(req.origin_input_ids) + len(req.output_ids) - 1
+        check_stored(eng, mgr, storage, req, len(prompt) // 4, n // 4)
+        assert eng.capacity - eng.free_count() == seeded
+        assert eng.evict() == seeded
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
