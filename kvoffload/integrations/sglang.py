@@ -261,9 +261,8 @@ class DecodeKVCacheOffloadManager:
     (:func:`published_settings`: where SGLang's own manager reads it). Keyword-only
     extras: ``host_pages`` (default from ``hicache_size`` in GB, else
     ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
-    ``stride`` (default
-    ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
-    ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
+    ``stride`` (default ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page),
+    ``storage`` (default from ``hicache_storage_backend``: ``"file"`` is a file store under
     ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
     kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
@@ -278,7 +277,9 @@ class DecodeKVCacheOffloadManager:
     ``release(req)``; the default is :meth:`release_request_kv`).
 
     Raises :class:`~kvoffload.UnsupportedKVPool` at construction for a pool it cannot
-    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`).
+    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`), and
+    :class:`~kvoffload.ConfigError` for settings it cannot follow (SGLang's page size
+    other than the allocator's, an extra storage config that is not JSON).
     """
 
     def __init__(

@@ -473,3 +473,11 @@ def test_f29_a_request_with_a_matched_prefix_retracted_and_resumed_frees_only_it
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
         mgr.release_host_resources()
+
+
+def test_an_extra_storage_config_that_is_not_json_is_refused() -> None:
+    """``--hicache-storage-backend-extra-config`` must be JSON (SGLang's manager raises
+    on it too): refused by name at construction, nothing opened."""
+    refused = pytest.raises(kvo.ConfigError, match="hicache_storage_backend_extra_config is not JSON")
+    with sr.engine(page_size=4, hicache_storage_backend_extra_config="{not json") as eng, refused:
+        eng.manager(backend=SimBackend(), storage=None)
