@@ -5,16 +5,22 @@ methods.
 
 It is a :class:`~kvoffload.SyncOffloadManager` in engine-owned mode: SGLang's per-layer
 KV buffers are the device pages (``token_to_kv_pool_allocator.get_kvcache()``), page
-ids come from SGLang's request rows (``req_to_token_pool.req_to_token``), the chain of
+ids come from SGLang's request rows (``req_to_token_pool.req_to_token``, read on the host
+once per scheduler iteration for every request entering a page), the chain of
 each request is seeded from ``req.extra_key`` / ``req.cache_salt``, the TP group makes
 every rank release the same requests in the same call, and a finished request's KV is
 released through SGLang's own path (the row's KV range freed, the prefix-cache lock
 dropped, the request row freed) exactly once, after its last copy is acknowledged.
 
-No SGLang module is imported: the objects the scheduler hands over are used by the
-attributes and methods named below, and the tests drive this class with fakes shaped
-like them. docs/integrations/sglang.md has the one-line change in SGLang's scheduler,
-what is the same and what differs.
+kvoffload imports no SGLang module: the objects the scheduler hands over are used by
+the attributes and methods named below (``import kvoffload.integrations.sglang`` works
+without SGLang). The settings SGLang's own manager reads from SGLang's published runtime
+config (``runtime_context.get_schedule()``, ``get_memory()``, ``get_serving()``; the
+stride through SGLang's ``envs``) are read from there when SGLang has imported it in
+this process (its scheduler has) and no ``server_args`` is passed. The tests drive this
+class with SGLang's real classes (tests/integrations/sglang_real.py) and with fakes of
+the same shapes. docs/integrations/sglang.md has the one-line change in SGLang's
+scheduler, what is the same and what differs.
 
 Threading: construct it and call it from the scheduler's thread (the manager's owner
 thread); nothing here starts an event loop.
@@ -22,10 +28,13 @@ thread); nothing here starts an event loop.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from kvoffload.config import OffloadConfig
@@ -120,7 +129,20 @@ class _Entry:
     """kvoffload's state of one SGLang ``Req``, keyed by the Req object (never its rid):
     a reused rid is another Req and shares nothing."""
 
-    __slots__ = ("base", "done", "finishing", "lc", "ref", "req", "resume", "row", "seed")
+    __slots__ = (
+        "ahead",
+        "base",
+        "done",
+        "edge",
+        "finishing",
+        "lc",
+        "ref",
+        "req",
+        "resume",
+        "row",
+        "seed",
+        "served",
+    )
 
     def __init__(self, seed: str) -> None:
         # ref: the Req, weakly: once no lifecycle of it is live, a Req the scheduler drops
@@ -148,6 +170,17 @@ class _Entry:
         self.finishing: Lifecycle | None = None
         # done: SGLang's release path ran for this Req. Invariant: it runs at most once.
         self.done = False
+        # served: the scheduler iteration (manager._step) of the Req's last call.
+        self.served = -1
+        # ahead: (iteration, first page index, slots) - the row's page-start slots read
+        #   in that iteration's one batched read, for the pages the Req enters in it; used
+        #   only in that iteration and only while the row is the Req's. Invariant:
+        #   self.ahead is None or (self.ahead[0] <= manager._step and self.row is not None)
+        self.ahead: tuple[int, int, list[int]] | None = None
+        # edge: the tokens up to the next page lc has no page id of yet (a token beyond it
+        #   starts a new page). Invariant: lc is None or
+        #   self.edge == -(-(self.base + lc.committed) // page_size) * page_size
+        self.edge = 0
 
 
 class _Ongoing:
@@ -171,7 +204,16 @@ class _Ongoing:
 
 def _stride_from_env(page_size: int) -> int:
     """SGLang's offload stride: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE`` tokens rounded
-    down to whole pages (at least one page); unset or not positive: one page."""
+    down to whole pages (at least one page); unset or not positive: one page. Read
+    through SGLang's ``envs`` (``sglang.srt.environ``) as SGLang's manager reads it, when
+    SGLang has imported it in this process (a value that is not an int: SGLang warns and
+    takes the default); else from the environment (not an int: :class:`ConfigError`)."""
+    environ = sys.modules.get("sglang.srt.environ")
+    if environ is not None:
+        value = environ.envs.SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE.get()
+        if value is None or value <= 0:
+            return page_size
+        return max(page_size, int(value) // page_size * page_size)
     raw = os.environ.get("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "").strip()
     if not raw:
         return page_size
@@ -184,25 +226,85 @@ def _stride_from_env(page_size: int) -> int:
     return max(page_size, value // page_size * page_size)
 
 
+def published_settings() -> Any:
+    """The settings SGLang 0.5.23's own ``DecodeKVCacheOffloadManager.__init__`` reads
+    from SGLang's published runtime config, as a ``ServerArgs``-shaped namespace:
+    ``page_size`` (``get_schedule()``), ``hicache_storage_backend``,
+    ``hicache_storage_backend_extra_config``, ``hicache_ratio``, ``hicache_size``,
+    ``hicache_io_backend`` (``get_memory()``) and ``served_model_name``
+    (``get_serving()``). ``None`` when SGLang's ``runtime_context`` is not imported in
+    this process (SGLang's scheduler imports and publishes it before it builds the
+    manager) or nothing is published there. Never imports SGLang."""
+    rc = sys.modules.get("sglang.srt.runtime_context")
+    if rc is None:
+        return None
+    try:
+        schedule, memory, serving = rc.get_schedule(), rc.get_memory(), rc.get_serving()
+    except ValueError:  # "config namespace ... not published": nothing to read
+        return None
+    return SimpleNamespace(
+        page_size=schedule.page_size,
+        hicache_storage_backend=memory.hicache_storage_backend,
+        hicache_storage_backend_extra_config=memory.hicache_storage_backend_extra_config,
+        hicache_ratio=memory.hicache_ratio,
+        hicache_size=memory.hicache_size,
+        hicache_io_backend=getattr(memory, "hicache_io_backend", None),
+        served_model_name=serving.served_model_name,
+    )
+
+
+def _check_settings(settings: Any, page_size: int) -> None:
+    """Refuse settings the integration cannot follow, naming them (nothing built yet):
+    a published page size other than the allocator's page (decode context parallelism
+    widens the allocator's page; SGLang keys pages on the published one), and a
+    ``hicache_storage_backend_extra_config`` that is not JSON (SGLang refuses it too)."""
+    if settings is None:
+        return
+    published = getattr(settings, "page_size", None)
+    if type(published) is int and published != page_size:
+        raise ConfigError(
+            f"SGLang's page_size is {published} but token_to_kv_pool_allocator.page_size is "
+            f"{page_size} (decode context parallelism?): not supported yet; the integration "
+            "needs the allocator's page to be SGLang's page"
+        )
+    extra = getattr(settings, "hicache_storage_backend_extra_config", None)
+    if extra:
+        try:
+            json.loads(extra)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config is not JSON ({exc}): {extra!r}"
+            ) from None
+
+
 class DecodeKVCacheOffloadManager:
     """SGLang's decode-side offload manager on kvoffload (see the module docstring).
 
     ``DecodeKVCacheOffloadManager(req_to_token_pool, token_to_kv_pool_allocator,
-    tp_group, tree_cache, server_args=None)`` as in SGLang. Keyword-only extras:
-    ``host_pages`` (default from ``server_args.hicache_size`` in GB, else
-    ``hicache_ratio`` (2.0) times the device pages), ``stride`` (default
-    ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
-    ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
+    tp_group, tree_cache)`` as SGLang's scheduler builds it; ``server_args`` (optional,
+    fifth) stands in for SGLang's published runtime config, which is read otherwise
+    (:func:`published_settings`: where SGLang's own manager reads it). Keyword-only
+    extras: ``host_pages`` (default from ``hicache_size`` in GB, else
+    ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
+    ``stride`` (default ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page),
+    ``storage`` (default from ``hicache_storage_backend``: ``"file"`` is a file store under
     ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
     kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
     host pages return, as SGLang retries at the next step; ``"drop"``: counted and
-    retried a stride later, lost at finish), ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
+    retried a stride later, lost at finish), ``host_wait_steps`` (``None``: the wait is
+    unbounded; an int: a chunk that waited through more scheduler steps
+    (``check_offload_progress`` calls) is dropped - never a bound in wall time, so TP
+    ranks and slow steps see the same; what a finished request lost is logged with its
+    rid and counted in ``statistics().pages_lost`` and ``chunks_expired``),
+    ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
     ``release_host_resources`` wait at most), ``release`` (SGLang's release path,
     ``release(req)``; the default is :meth:`release_request_kv`).
 
     Raises :class:`~kvoffload.UnsupportedKVPool` at construction for a pool it cannot
-    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`).
+    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`), and
+    :class:`~kvoffload.ConfigError` for settings it cannot follow (SGLang's page size
+    other than the allocator's, an extra storage config that is not JSON).
     """
 
     def __init__(
@@ -218,6 +320,7 @@ class DecodeKVCacheOffloadManager:
         storage: Any = "server_args",
         backend: Any = None,
         on_host_full: str = "wait",
+        host_wait_steps: int | None = None,
         drain_timeout_s: float | None = 30.0,
         release: Callable[[Any], object] | None = None,
     ) -> None:
@@ -230,14 +333,18 @@ class DecodeKVCacheOffloadManager:
             raise ConfigError(
                 f"token_to_kv_pool_allocator.page_size must be a positive int, got {page_size!r}"
             )
-        # The allocator's page (under DCP a multiple of server_args.page_size) is the page
-        # every row range and key is cut on, as in SGLang.
+        # The allocator's page is the page every row range and key is cut on; SGLang's
+        # page_size must be the same (_check_settings).
         self.page_size = page_size
+        # settings: what SGLang's own manager reads (server_args when passed, else
+        # SGLang's published runtime config; None when neither is there: defaults).
+        self.settings = server_args if server_args is not None else published_settings()
+        _check_settings(self.settings, page_size)
         self.kv_kind, device_kv = engine_kv_tensors(token_to_kv_pool_allocator.get_kvcache(), page_size)
         page_bytes = sum(int(t[0].numel() * t.element_size()) for t in device_kv)
         n_pages = int(device_kv[0].shape[0])
         if host_pages is None:
-            host_pages = self._host_pages_from(server_args, page_bytes, n_pages)
+            host_pages = self._host_pages_from(self.settings, page_bytes, n_pages, page_size)
         self.offload_stride = _stride_from_env(page_size) if stride is None else stride
         self.tp_group = tp_group
         self.tp_world_size = self._world_size(tp_group)
@@ -247,6 +354,11 @@ class DecodeKVCacheOffloadManager:
             device_pages=None,
             host_pages=host_pages,
             on_host_full=on_host_full,  # type: ignore[arg-type]  # OffloadConfig checks it
+            # The host-full wait is counted in scheduler steps (check_offload_progress
+            # calls), never in wall time: unbounded by default (a chunk waits until host
+            # pages return; they return when copies and storage writes end).
+            host_wait_s=None,
+            host_wait_polls=host_wait_steps,
             drain_timeout_s=drain_timeout_s,
             # Under TP each rank holds its own heads' KV (keys suffixed per rank, as
             # SGLang's HiCacheFile does for MHA); MLA's latent KV is the same on every rank.
@@ -254,7 +366,7 @@ class DecodeKVCacheOffloadManager:
             tp_keys="shared" if self.kv_kind == "mla" else "rank",
         )
         if storage == "server_args":
-            storage = self._storage_from(server_args)
+            storage = self._storage_from(self.settings)
         if backend is None:
             backend = "cuda" if device_kv[0].device.type == "cuda" else "cpu"
         self._release_req = release if release is not None else self.release_request_kv
@@ -283,6 +395,11 @@ class DecodeKVCacheOffloadManager:
         self._ending: dict[int, Lifecycle] = {}
         # _drained: drain_before_retraction ran; the next call looks for rows taken back.
         self._drained = False
+        # _step: scheduler iterations so far (check_offload_progress calls); _read_at: the
+        # iteration of the last batched read of req_to_token (_step_pages, _scan_reclaimed),
+        # at most one per iteration. Invariant: self._read_at <= self._step
+        self._step = 0
+        self._read_at = -1
         self.ongoing_offload = _Ongoing(self.manager)
         self.manager.open()
 
@@ -300,14 +417,16 @@ class DecodeKVCacheOffloadManager:
         return int(dist.get_world_size(group=tp_group))
 
     @staticmethod
-    def _host_pages_from(server_args: Any, page_bytes: int, n_pages: int) -> int:
-        """SGLang's host pool size: ``hicache_size`` GB when set, else ``hicache_ratio``
-        (default 2.0) times the device pool."""
-        size_gb = getattr(server_args, "hicache_size", 0) or 0
+    def _host_pages_from(settings: Any, page_bytes: int, n_pages: int, page_size: int) -> int:
+        """SGLang's host pool size (``HostKVCache.__init__``, mem_cache/pool_host/base.py),
+        in whole pages: ``hicache_size`` GB when set (``int(size * 1e9 // bytes per
+        token)`` tokens), else ``hicache_ratio`` (default 2.0) times the device pool's
+        tokens (its ``n_pages`` rows less SGLang's padding page)."""
+        size_gb = getattr(settings, "hicache_size", 0) or 0
         if size_gb > 0:
-            return max(1, int(size_gb * 1e9) // page_bytes)
-        ratio = getattr(server_args, "hicache_ratio", 2.0) or 2.0
-        return max(1, int(n_pages * ratio))
+            return max(1, int(size_gb * 1e9 // (page_bytes // page_size)) // page_size)
+        ratio = getattr(settings, "hicache_ratio", 2.0) or 2.0
+        return max(1, int((n_pages - 1) * page_size * ratio) // page_size)
 
     @staticmethod
     def _storage_from(server_args: Any) -> Any:
@@ -340,7 +459,7 @@ class DecodeKVCacheOffloadManager:
         if self._dead:
             self._reap()
         if self._drained:  # a retraction may have happened since: find it before using rows
-            self._scan_reclaimed()
+            self._scan_reclaimed(read_ahead=True)
         try:
             return self._offload(req)
         except PageError:  # nothing changed: find the rows taken back, then once more
@@ -362,6 +481,7 @@ class DecodeKVCacheOffloadManager:
             return False
         if e.finishing is not None:  # finished before: its release still waits for an ack
             return True
+        e.served = self._step
         lc = e.lc
         if lc is not None and e.row != row:
             self._reclaimed(e)
@@ -375,10 +495,16 @@ class DecodeKVCacheOffloadManager:
             have = e.base + lc.committed
             before = lc.submitted
             if committed > have:
-                new = out[have - n_origin : committed - n_origin]
+                if have >= n_origin:
+                    new = out[have - n_origin : committed - n_origin]
+                    if type(new) is not list:  # SGLang's array("q"): the core's fast path takes a list
+                        new = list(new)
+                else:  # admitted this far (the prompt's last, partial page): told now
+                    new = [*req.origin_input_ids[have:], *out[: committed - n_origin]]
                 ps = self.page_size
-                if -(-committed // ps) > -(-have // ps):
-                    lc.extend(new, pages=self._pages(row, have, committed))
+                if committed > e.edge:
+                    lc.extend(new, pages=self._step_pages(e, row, have, committed))
+                    e.edge = -(-committed // ps) * ps
                 else:
                     lc.extend(new)
             sent = lc.submitted > before
@@ -397,6 +523,7 @@ class DecodeKVCacheOffloadManager:
         First, a request whose row the engine took back since the last call (its
         ``req_pool_idx`` changed: retraction or preemption) has its lifecycle ended, so
         a copy of rows no longer its own is discarded, never stored (F32)."""
+        self._step += 1
         if self._drained:
             self._scan_reclaimed()
         elif self._running:
@@ -456,30 +583,23 @@ class DecodeKVCacheOffloadManager:
     # --- SGLang's release path ---------------------------------------------------------
 
     def release_request_kv(self, req: Any) -> None:
-        """SGLang's release of a finished request's KV: the row's committed range (and
-        an over-allocated tail, e.g. speculative decoding's, page-aligned so it never
-        shares a page with the committed range) through ``tree_cache.free_kv_row``, the
-        prefix-cache lock through ``tree_cache.unlock(req)``, the request row through
-        ``req_to_token_pool.free(req)``, then ``req.kv.mark_kv_released()`` when the
-        Req has it. Skipped for a Req whose row is already gone."""
+        """SGLang's release of a finished request's KV, as SGLang 0.5.23's own manager
+        does it (``DecodeKVCacheOffloadManager._release_finished_req``): the row's
+        range the request owns, ``[req.kv.cache_protected_len, req.kv.kv_allocated_len)``,
+        through ``tree_cache.free_kv_row`` (the prefix the decode radix cache matched,
+        ``[0, cache_protected_len)``, stays the tree's: unlocked, never freed, F29);
+        the prefix-cache lock through ``tree_cache.unlock(req.lock)`` then
+        ``req.lock = None`` (the tree caches take the lock, not the request, F28); the
+        request row through ``req_to_token_pool.free(req)``; then
+        ``req.kv.mark_kv_released()``. Skipped for a Req whose row is already gone."""
         kv = req.kv
         if kv.req_pool_idx in _NO_ROW:
             return
-        effective = getattr(req, "effective_kv_committed_len", None)
-        committed = int(effective() if callable(effective) else kv.kv_committed_len)
-        ranges = [(0, committed)]
-        start, end = committed, int(kv.kv_allocated_len)
-        alloc_page = self.token_to_kv_pool_allocator.page_size
-        if alloc_page > 1:
-            start = -(-start // alloc_page) * alloc_page
-        if start < end:
-            ranges.append((start, end))
-        self.tree_cache.free_kv_row(kv, ranges)
-        self.tree_cache.unlock(req)
+        self.tree_cache.free_kv_row(kv, [(int(kv.cache_protected_len), int(kv.kv_allocated_len))])
+        self.tree_cache.unlock(req.lock)
+        req.lock = None
         self.req_to_token_pool.free(req)
-        mark = getattr(kv, "mark_kv_released", None)
-        if callable(mark):
-            mark()
+        kv.mark_kv_released()
 
     # --- kvoffload's side ----------------------------------------------------------------
 
@@ -510,33 +630,143 @@ class DecodeKVCacheOffloadManager:
         """A lifecycle for the tokens ``req`` committed beyond what is stored: the
         page-aligned prompt (the prefill side stored it) or, after a retraction, what
         was offloaded before it. Stored pages are never read, so they are not held: a
-        prefix the engine's radix cache shares between requests is no conflict."""
+        prefix the engine's radix cache shares between requests is no conflict.
+
+        An unfinished request is admitted with none of those tokens yet: they are told at
+        its next call, their page ids read in that iteration's one batched read with every
+        other request's (a request's first call comes after the iteration's read: SGLang
+        appends arrivals to the running batch). A chunk those tokens already complete goes
+        out one iteration later; a request released through
+        :meth:`finalize_release_on_finish` with no call in between stores none of them (as
+        it stores nothing of a step it was not called for). A request that finishes at its
+        first call is told everything now."""
         if self._drained:
-            self._scan_reclaimed()
+            self._scan_reclaimed(read_ahead=True)
         ps = self.page_size
-        tokens = [*req.origin_input_ids, *req.output_ids[: committed - len(req.origin_input_ids)]]
+        n = len(req.origin_input_ids)
         if e.resume is not None:
             stored, chain = e.resume
         else:
-            n = len(req.origin_input_ids)
             stored = n - n % ps
             chain = e.seed
             if stored:
-                chain = page_run_keys(e.seed or None, validate_tokens(tokens[:stored], "prompt"), ps)[-1]
-        pages = self._pages(row, stored, committed)
-        lc = self.manager.admit(req.rid, tokens[stored:], pages=pages, tag=e, chain_seed=chain, stored=0)
+                chain = page_run_keys(
+                    e.seed or None, validate_tokens(req.origin_input_ids[:stored], "prompt"), ps
+                )[-1]
+        tokens: list[int] = []
+        pages: list[int] = []
+        if req.finished() and committed > stored:
+            tokens = [*req.origin_input_ids, *req.output_ids[: committed - n]][stored:committed]
+            pages = self._step_pages(e, row, stored, committed)
+        lc = self.manager.admit(req.rid, tokens, pages=pages, tag=e, chain_seed=chain, stored=0)
         e.lc, e.row, e.base, e.resume, e.req = lc, row, stored, None, req
+        e.edge = -(-(stored + len(tokens)) // ps) * ps
         self._running[lc.id] = e
         return lc
 
+    # --- page ids: one host read of req_to_token per scheduler iteration ------------------
+    #
+    # SGLang's req_to_token is a device tensor: every host read of it is a device sync.
+    # kvoffload's bookkeeping needs page ids as ints, so they are read in one batched read
+    # per iteration (between two check_offload_progress calls): at the first call that
+    # needs a page id, the page-start slots of every page any running request enters in
+    # this iteration are gathered (device views, one concatenation, one tolist()). What a
+    # request enters is foreseen from its row: the positions SGLang has written KV for
+    # (kv.kv_committed_len, advanced before the forward) that the request has not told
+    # yet, capped at its token count (never a position of a later forward). Positions
+    # below kv_committed_len keep their slot while the row is the request's; a read made
+    # before a retraction is never used after it (drain and _reclaimed drop it), nor in
+    # another iteration (a preempted request resumes on its row in a later iteration).
+
+    def _step_pages(self, e: _Entry, row: Any, have: int, committed: int) -> list[int]:
+        """Page ids of the pages tokens ``have..committed`` of ``e``'s row start: from
+        this iteration's batched read (made now if not made yet); a request the read did
+        not foresee (more tokens than its row showed, as speculative decoding may
+        commit) reads its own (a second read in the iteration)."""
+        ps = self.page_size
+        a, b = -(-have // ps), -(-committed // ps)
+        ahead = e.ahead
+        if ahead is None or ahead[0] != self._step or ahead[1] != a or len(ahead[2]) < b - a:
+            if self._read_at == self._step:
+                return self._pages(row, have, committed)
+            views: list[Any] = []
+            owners: list[tuple[_Entry, int, int]] = []
+            self._want(views, owners, e, row, a, b)
+            self._read_ahead(views, owners, e)
+            self._read(views, owners)
+            ahead = e.ahead
+            assert ahead is not None
+        return self._page_ids(row, ahead[2][: b - a])
+
+    def _want(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], e: _Entry, row: Any, a: int, b: int
+    ) -> None:
+        """Add the page-start slots of pages ``a..b`` of ``row`` (a device view) for ``e``."""
+        ps = self.page_size
+        v = self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps]
+        views.append(v)
+        owners.append((e, a, int(v.shape[0])))
+
+    def _read_ahead(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], skip: _Entry | None
+    ) -> None:
+        """Add, for each running request not called yet in this iteration, the pages its
+        row shows it enters in this iteration (see the section comment); marks the
+        iteration's read as made."""
+        self._read_at = step = self._step
+        ps = self.page_size
+        running = self._running.values()
+        try:  # the hot loop, over every running request: two attribute chains each
+            entering = [x for x in running if x.req.kv.kv_committed_len > x.edge]
+        except (AttributeError, TypeError):  # a Req without an int kv_committed_len: no foresight
+            entering = [x for x in running if type(getattr(x.req.kv, "kv_committed_len", None)) is int]
+            entering = [x for x in entering if x.req.kv.kv_committed_len > x.edge]
+        for x in entering:
+            req = x.req
+            if x.served == step or x is skip or req.kv.req_pool_idx != x.row:
+                continue
+            lc = x.lc
+            assert lc is not None
+            b = -(-min(req.kv.kv_committed_len, len(req.origin_input_ids) + len(req.output_ids)) // ps)
+            a = -(-(x.base + lc.committed) // ps)
+            if b > a:
+                self._want(views, owners, x, x.row, a, b)
+
+    def _read(
+        self, views: list[Any], owners: list[tuple[_Entry, int, int]], first: int = 0
+    ) -> list[list[int]]:
+        """The one host read: every view's slots (returned, in order); the owner of each
+        view from ``first`` on gets it as its ``ahead`` for this iteration."""
+        if not views:
+            return []
+        if len(views) == 1:
+            flat = views[0].tolist()
+        else:
+            import torch  # the rows are a torch tensor: torch is loaded
+
+            flat = torch.cat(views).tolist()
+        out, i, step = [], 0, self._step
+        for k, (x, a, n) in enumerate(owners):
+            slots = flat[i : i + n]
+            i += n
+            out.append(slots)
+            if k >= first:
+                x.ahead = (step, a, slots)
+        return out
+
     def _pages(self, row: Any, start: int, end: int) -> list[int]:
         """SGLang's page ids of the pages that tokens ``start..end`` of request row
-        ``row`` start (from the row's first slot of each page)."""
+        ``row`` start (from the row's first slot of each page): a read of its own."""
         ps = self.page_size
         a, b = -(-start // ps), -(-end // ps)
         if b <= a:
             return []
-        slots = self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps].tolist()
+        return self._page_ids(row, self.req_to_token_pool.req_to_token[row, a * ps : b * ps : ps].tolist())
+
+    def _page_ids(self, row: Any, slots: list[int]) -> list[int]:
+        """Page ids from page-start slots; :class:`~kvoffload.PageError` for a slot that
+        does not start a page (the allocator's pages and the row disagree)."""
+        ps = self.page_size
         if ps == 1:
             return [int(s) for s in slots]
         bad = [s for s in slots if s % ps]
@@ -547,24 +777,41 @@ class DecodeKVCacheOffloadManager:
             )
         return [int(s) // ps for s in slots]
 
-    def _scan_reclaimed(self) -> bool:
+    def _scan_reclaimed(self, read_ahead: bool = False) -> bool:
         """After a drain (or a page claimed twice): end the lifecycle of every unfinished
         Req whose row or pages the engine took back (retraction; a resumed request may
-        get the same row with other pages). Reads each live request's page ids once: a
-        cold path, after a retraction only. Returns whether any was taken back."""
+        get the same row with other pages). Reads every live request's page ids in one
+        host read - with this iteration's page reads when ``read_ahead`` (called from
+        ``offload_kv_cache``, whose iteration's forward has run) and not made yet.
+        Returns whether any was taken back."""
         self._drained = False
-        found = False
-        for e in list(self._running.values()):
-            req, lc = e.req, e.lc
-            assert lc is not None and req is not None
-            row = req.kv.req_pool_idx
+        entries = list(self._running.values())
+        views: list[Any] = []
+        owners: list[tuple[_Entry, int, int]] = []
+        for e in entries:
+            e.ahead = None
+            lc = e.lc
+            assert lc is not None and e.req is not None
+            if e.req.kv.req_pool_idx == e.row and lc.device_pages:
+                a = e.base // self.page_size
+                self._want(views, owners, e, e.row, a, a + len(lc.device_pages))
+        n_held = len(owners)
+        if read_ahead and self._read_at != self._step:
+            self._read_ahead(views, owners, None)
+        got = self._read(views, owners, first=n_held)
+        held = {id(e): slots for (e, _, _), slots in zip(owners[:n_held], got, strict=False)}
+        gone = []
+        for e in entries:
+            lc = e.lc
+            assert lc is not None
             # The same row with exactly the pages lc holds: nothing was taken back (or all
             # of it was given back as it was, its KV recomputed from the same tokens).
-            if row == e.row and self._pages(row, e.base, e.base + lc.committed) == lc.device_pages:
-                continue
+            taken = e.req.kv.req_pool_idx != e.row
+            if taken or (id(e) in held and self._page_ids(e.row, held[id(e)]) != lc.device_pages):
+                gone.append(e)
+        for e in gone:
             self._reclaimed(e)
-            found = True
-        return found
+        return bool(gone)
 
     def _rows_taken_back(self) -> None:
         """End the lifecycle of every unfinished Req whose row index changed since its
@@ -612,6 +859,7 @@ class DecodeKVCacheOffloadManager:
             stored = min(mine, default=stored)
             chain = self._chain_at(e, e.base + stored)
         e.resume = (e.base + stored, chain)
+        e.ahead = None
         e.lc = None
         e.row = None
         e.req = None
@@ -649,6 +897,14 @@ class DecodeKVCacheOffloadManager:
             if e.finishing is None:
                 e.req = None
         if e.finishing is lc:
+            if lc.pages_lost:  # the request's KV was not all offloaded: say which request
+                logger.warning(
+                    "sglang.offload_incomplete",
+                    rid=lc.rid,
+                    lifecycle=int(lc.id),
+                    pages_lost=lc.pages_lost,
+                    hint="the host pool stayed full (host_wait_steps), or a copy or storage write failed",
+                )
             self._release(e.req, e)
 
     def _release(self, req: Any, e: _Entry | None) -> None:
