@@ -50,7 +50,9 @@ The API (all of it):
   ``seed_tree`` / ``evict`` (the radix tree's own pages), ``manager`` (kvoffload's
   drop-in built from these objects), ``free_slots`` / ``free_count`` /
   ``check_free_list`` (the allocator's free list: leaks and double frees),
-  ``write_kv`` / ``kv_bytes`` / ``expected_kv_bytes`` (known KV bytes in the pool).
+  ``tree_slots`` (slots the tree holds), ``write_kv`` / ``kv_bytes`` /
+  ``expected_kv_bytes`` (known KV bytes in the pool), ``tokens`` / ``row_slots`` (a
+  request's tokens with KV written, the slots its row names).
 - :func:`kv_value` - the KV the harness's "forward" writes for one token.
 """
 
