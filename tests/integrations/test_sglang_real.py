@@ -481,3 +481,24 @@ def test_an_extra_storage_config_that_is_not_json_is_refused() -> None:
     refused = pytest.raises(kvo.ConfigError, match="hicache_storage_backend_extra_config is not JSON")
     with sr.engine(page_size=4, hicache_storage_backend_extra_config="{not json") as eng, refused:
         eng.manager(backend=SimBackend(), storage=None)
+
+
+def test_a_wait_bounded_in_steps_expires_in_the_same_step_on_every_tp_rank(tmp_path: Any) -> None:
+    """Two gloo ranks, a host pool of 2 pages, ``host_wait_steps=2``, each rank's copies
+    completing in its own random order and rounds: the chunks that wait for host pages,
+    and those whose wait runs out, are the same on both ranks after every iteration
+    (counted in scheduler steps, never a rank's own clock), as are the releases and
+    what was lost; every slot is back in SGLang's allocator."""
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=240.0) as ranks:
+        r0, r1 = ranks.run(sr.tp_rank_run, 5, str(tmp_path), False, "mha", 2, 2)
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert r0["released"] == r0["names"]
+    deferred, expired, lost = r0["counts"][-1][5:]
+    assert deferred >= 1 and expired >= 1, "no wait ran out: the test shows nothing"
+    assert lost >= 1, "an expired wait of a finishing request loses pages, counted"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0
+        assert r["free"] == r["capacity"] and r["rows_free"] == 16
