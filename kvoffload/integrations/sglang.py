@@ -35,7 +35,7 @@ from kvoffload.errors import ConfigError, PageError, UnsupportedKVPool
 from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import Lifecycle
 
-__all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors"]
+__all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors", "sglang_l3_storage"]
 
 #: SGLang's default directory of its file storage backend (``HiCacheFile``).
 SGLANG_FILE_DIR = "/tmp/hicache"
@@ -114,6 +114,42 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
             f"{kind_name} is on {device}: only CUDA (and CPU, for tests) are supported; NPU is not yet"
         )
     return kind, tensors
+
+
+def sglang_l3_storage(
+    backend: str,
+    extra_config: Any,
+    model_name: str | None,
+    tp_rank: int,
+    tp_size: int,
+    mem_layout: str,
+    kv_pool: Any,
+    *,
+    page_size: int,
+    stride: int | None = None,
+) -> Any:
+    """The kvoffload store of SGLang's L3 storage ``backend`` (``--hicache-storage-backend``,
+    with its extra config, ``served_model_name``, this rank of ``tp_size``,
+    ``--hicache-mem-layout``, the engine's KV pool): pages written through SGLang's own
+    ``HiCacheStorage`` in SGLang's host-page layout, under SGLang's keys, so SGLang's
+    prefill side reads them and kvoffload's lookup finds what SGLang stored
+    (:func:`kvoffload.integrations.sglang_storage.sglang_storage`; the staging host pool
+    holds one stride of pages). Raises :class:`~kvoffload.UnsupportedKVPool` for a
+    layout it does not convert, naming the supported ones."""
+    from kvoffload.integrations.sglang_storage import BATCH, sglang_storage
+
+    staging = min(BATCH, max(1, (stride or page_size) // page_size))
+    return sglang_storage(
+        backend,
+        extra_config,
+        model_name,
+        tp_rank,
+        tp_size,
+        mem_layout,
+        kv_pool,
+        page_size=page_size,
+        staging_pages=staging,
+    )
 
 
 class _Entry:
@@ -309,17 +345,35 @@ class DecodeKVCacheOffloadManager:
         ratio = getattr(server_args, "hicache_ratio", 2.0) or 2.0
         return max(1, int(n_pages * ratio))
 
-    @staticmethod
-    def _storage_from(server_args: Any) -> Any:
+    def _storage_from(self, server_args: Any) -> Any:
+        """The store SGLang's config names (``hicache_storage_backend``; ``None``: none):
+        SGLang's own L3 storage, which its prefill side reads (F30): see
+        :func:`sglang_l3_storage`."""
         name = getattr(server_args, "hicache_storage_backend", None)
         if name is None:
             return None
-        if name == "file":
-            return os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or SGLANG_FILE_DIR
-        raise ConfigError(
-            f"hicache_storage_backend={name!r} is not a store kvoffload's SGLang integration knows: "
-            "use 'file', or pass storage= (a path, 'redis://...', or a kvoffload Storage)"
+        return sglang_l3_storage(
+            name,
+            getattr(server_args, "hicache_storage_backend_extra_config", None),
+            getattr(server_args, "served_model_name", None),
+            self._tp_rank(self.tp_group),
+            self.tp_world_size,
+            getattr(server_args, "hicache_mem_layout", None) or "page_first",
+            self.token_to_kv_pool_allocator.get_kvcache(),
+            page_size=self.page_size,
+            stride=self.offload_stride,
         )
+
+    @staticmethod
+    def _tp_rank(tp_group: Any) -> int:
+        if tp_group is None:
+            return 0
+        rank = getattr(tp_group, "rank", None)
+        if callable(rank):
+            return int(rank())
+        import torch.distributed as dist
+
+        return int(dist.get_rank(group=tp_group))
 
     # --- SGLang's scheduler-facing methods ---------------------------------------------
 
