@@ -322,9 +322,12 @@ class SGLangHiCacheStorage(Storage):
         return n
 
     async def aclose(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if callable(close):
-            await anyio.to_thread.run_sync(close)
+        """Close SGLang's backend (where it has ``close``) and unregister the staging
+        host pool's pinned memory (``destroy``)."""
+        for part in (self.backend, self.host_pool):
+            close = getattr(part, "close" if part is self.backend else "destroy", None)
+            if callable(close):
+                await anyio.to_thread.run_sync(close)
 
     def describe(self) -> dict[str, Any]:
         return {
