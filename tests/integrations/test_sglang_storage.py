@@ -280,7 +280,11 @@ def test_sglangs_prefill_prefetch_reads_what_the_drop_in_stored(
     assert len(names) == 4 and all(n.endswith(suffix) for n in names), names
 
 
-def test_sglangs_zero_copy_prefetch_reads_what_the_drop_in_stored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_sglangs_zero_copy_prefetch_reads_what_the_drop_in_stored(
+    kind: str, layout: str, tmp_path: Path
+) -> None:
     """F30, zero-copy backends (mooncake, 3fs, nixl, ...): the drop-in stages each page
     in a real SGLang host pool and calls ``batch_set_v1(keys, host_indices)``, as
     SGLang's controller does; a backend that reads the host pool by index (here the
@@ -292,9 +296,9 @@ def test_sglangs_zero_copy_prefetch_reads_what_the_drop_in_stored(tmp_path: Path
              "interface_v1": 1, "store": "zc"}  # fmt: skip
     ix.STORES.pop("zc", None)
     ix.WRITES["zc"] = 0
-    with published("page_first"):
-        engine = Engine(page_size=PS, n_pages=N_PAGES, pool=real_pool("mha"))
-        a = SimpleNamespace(**{**vars(args("page_first", tmp_path)), "hicache_storage_backend": "dynamic",
+    with published(layout):
+        engine = Engine(page_size=PS, n_pages=N_PAGES, pool=real_pool(kind))
+        a = SimpleNamespace(**{**vars(args(layout, tmp_path)), "hicache_storage_backend": "dynamic",
                                "hicache_storage_backend_extra_config": json.dumps(extra)})  # fmt: skip
         mgr = engine.manager(server_args=a, backend="cpu", host_pages=32, drain_timeout_s=5.0)
         assert mgr.manager.storage.describe()["write"] == "batch_set_v1"
@@ -303,7 +307,7 @@ def test_sglangs_zero_copy_prefetch_reads_what_the_drop_in_stored(tmp_path: Path
         settle(mgr)
         mgr.release_host_resources()
         assert ix.WRITES["zc"] == 4
-        prefill = Prefill("mha", "dynamic", extra)
+        prefill = Prefill(kind, "dynamic", extra)
         try:
             assert prefill.cc.page_get_func == prefill.cc._page_get_zero_copy
             loaded, idx = prefill.prefetch(req.origin_input_ids + req.output_ids)
