@@ -130,7 +130,7 @@ def sglang_l3_storage(
     model_name: str | None,
     tp_rank: int,
     tp_size: int,
-    mem_layout: str,
+    mem_layout: str | None,
     kv_pool: Any,
     *,
     page_size: int,
@@ -138,7 +138,8 @@ def sglang_l3_storage(
 ) -> Any:
     """The kvoffload store of SGLang's L3 storage ``backend`` (``--hicache-storage-backend``,
     with its extra config, ``served_model_name``, this rank of ``tp_size``,
-    ``--hicache-mem-layout``, the engine's KV pool): pages written through SGLang's own
+    ``--hicache-mem-layout`` or ``None`` for SGLang's published one, the engine's KV
+    pool): pages written through SGLang's own
     ``HiCacheStorage`` in SGLang's host-page layout, under SGLang's keys, so SGLang's
     prefill side reads them and kvoffload's lookup finds what SGLang stored
     (:func:`kvoffload.integrations.sglang_storage.sglang_storage`; the staging host pool
@@ -435,7 +436,7 @@ class DecodeKVCacheOffloadManager:
             getattr(server_args, "served_model_name", None),
             self._tp_rank(self.tp_group),
             self.tp_world_size,
-            getattr(server_args, "hicache_mem_layout", None) or "page_first",
+            getattr(server_args, "hicache_mem_layout", None),  # None: SGLang's published one
             self.token_to_kv_pool_allocator.get_kvcache(),
             page_size=self.page_size,
             stride=self.offload_stride,

@@ -26,8 +26,9 @@ pool's layout (``--hicache-mem-layout``). :class:`SGLangHiCacheStorage` is a kvo
 Reads (``get`` / ``get_into``, kvoffload's load path) go the same way back, and
 ``exists_prefix`` is the backend's ``batch_exists``.
 
-Where SGLang's storage object cannot be built (SGLang not importable, or its runtime
-config not published in this process), :func:`sglang_storage` falls back for the
+Where SGLang's storage object cannot be built (SGLang not importable, its runtime
+config not published in this process, or its host pool not buildable: it pins memory,
+which needs CUDA), :func:`sglang_storage` falls back for the
 ``file`` backend to :class:`SGLangFileFormat`, which writes HiCacheFile's format itself:
 ``<dir>/<key>_<model>_<tp_rank>_<tp_size>.bin`` (MHA) or ``<dir>/<key>_<model>.bin``
 (MLA), raw page bytes in the layout's order, skipped when the file exists.
@@ -360,6 +361,17 @@ def _parallel(name: str, default: int) -> int:
         return default
 
 
+def _published(name: str) -> Any:
+    """A field of SGLang's published memory config, or ``None`` where SGLang does not
+    import or nothing is published."""
+    try:
+        from sglang.srt.runtime_context import get_memory  # type: ignore[import-not-found, unused-ignore]
+
+        return getattr(get_memory(), name)
+    except Exception:
+        return None
+
+
 def _extra(extra_config: str | dict[str, Any] | None) -> dict[str, Any]:
     if extra_config is None or extra_config == "":
         return {}
@@ -402,7 +414,7 @@ def sglang_storage(
     model_name: str | None,
     tp_rank: int,
     tp_size: int,
-    mem_layout: str,
+    mem_layout: str | None,
     kv_pool: Any,
     *,
     page_size: int,
@@ -412,14 +424,16 @@ def sglang_storage(
     builds it: ``backend`` (``--hicache-storage-backend``), ``extra_config``
     (``--hicache-storage-backend-extra-config``, JSON or a dict), ``model_name``
     (``served_model_name``), this rank's ``tp_rank`` of ``tp_size``, ``mem_layout``
-    (``--hicache-mem-layout``: the prefill must read with the same), the engine's KV
-    pool, and its ``page_size``.
+    (``--hicache-mem-layout``: the prefill must read with the same; ``None``: SGLang's
+    published one, else SGLang's default ``page_first``), the engine's KV pool, and its
+    ``page_size``.
 
     Builds SGLang's host pool (``build_kv_host_pool``, ``staging_pages`` pages) and
     SGLang's backend (``StorageBackendFactory.create_backend``, with the storage config
     SGLang's controller makes), then :class:`SGLangHiCacheStorage`. Where SGLang's
     objects cannot be built here (SGLang not importable, its runtime config not
-    published), the ``file`` backend falls back to :class:`SGLangFileFormat` under
+    published, its host pool not built: it pins memory, which needs CUDA), the ``file``
+    backend falls back to :class:`SGLangFileFormat` under
     HiCacheFile's directory (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, then
     ``file_storage_path`` of the extra config, then /tmp/hicache); any other backend
     raises :class:`~kvoffload.ConfigError` saying why.
@@ -431,6 +445,8 @@ def sglang_storage(
         raise ConfigError(f"tp_rank must be in 0..tp_size-1 and tp_size >= 1, got {tp_rank!r} of {tp_size!r}")
     if type(staging_pages) is not int or staging_pages < 1:
         raise ConfigError(f"staging_pages must be a positive int, got {staging_pages!r}")
+    if mem_layout is None:
+        mem_layout = _published("hicache_mem_layout") or "page_first"
     kind = _kind_of(kv_pool, page_size)
     layers, row = _row_bytes(kv_pool, kind)
     fmt = PageFormat(kind, mem_layout, layers, page_size, row)  # refuses a layout by name
@@ -499,8 +515,8 @@ def _through_sglang(
         host_pool = build_kv_host_pool(
             kv_pool=kv_pool, page_size=fmt.page_size, use_mla=fmt.kind == "mla", host_size=host_gb
         )
-    except Exception as exc:
-        raise ConfigError(f"SGLang's build_kv_host_pool failed: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # e.g. no CUDA to pin it with (a CPU-only machine)
+        raise _CannotBuild(f"SGLang's build_kv_host_pool failed: {type(exc).__name__}: {exc}") from exc
     if host_pool.layout != fmt.layout:
         raise ConfigError(f"SGLang built a {host_pool.layout!r} host pool, not {fmt.layout!r}")
     tp_lcm = extra.pop("tp_lcm_size", None)

@@ -174,15 +174,15 @@ class Prefill:
     """SGLang's prefill side: its real HiCacheController over its real host pool and
     the storage backend its config names."""
 
-    def __init__(self, kind: str, backend: str, extra: dict[str, Any]) -> None:
+    def __init__(self, kind: str, backend: str, extra: dict[str, Any], kv: Any = None) -> None:
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_kv_host_pool
 
         self.kind = kind
-        kv = real_pool(kind)
+        kv = real_pool(kind) if kv is None else kv
         alloc = PagedTokenToKVPoolAllocator(
-            size=N_PAGES * PS, page_size=PS, dtype=torch.float32, device="cpu", kvcache=kv, need_sort=False
+            size=kv.size, page_size=PS, dtype=kv.dtype, device="cpu", kvcache=kv, need_sort=False
         )
         self.host = build_kv_host_pool(kv_pool=kv, page_size=PS, use_mla=kind == "mla")
         self.cc = HiCacheController(
@@ -353,6 +353,66 @@ def test_tp2_pages_carry_sglangs_rank_suffix(kind: str, tmp_path: Path) -> None:
             flat = theirs.get(key, host.get_dummy_flat_data_page())
             assert flat is not None
             assert store.fmt.to_kvoffload(flat.view(torch.uint8)).numpy().tobytes() == page
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_the_drop_in_on_sglangs_scheduler_objects_feeds_sglangs_prefill(
+    kind: str, layout: str, tmp_path: Path
+) -> None:
+    """F30 end to end on SGLang's real decode-side objects (sglang_real: its Req, pools,
+    allocator, tree cache, scheduler calls) with the settings read where SGLang's own
+    manager reads them (the published runtime config: no server_args): what the drop-in
+    stores, SGLang's prefill prefetch loads, byte for byte the engine's KV."""
+    import sglang_real as sr
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    extra = {"file_storage_path": str(tmp_path)}
+    with sr.engine(
+        page_size=PS,
+        kv=kind,
+        hicache_storage_backend="file",
+        hicache_storage_backend_extra_config=json.dumps(extra),
+        hicache_mem_layout=layout,
+        served_model_name=MODEL,
+    ) as eng:
+        rc.get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_cp_rank=0, attn_dcp_rank=0)
+        try:
+            mgr = eng.manager(backend="cpu", host_pages=32, drain_timeout_s=5.0)
+            assert isinstance(mgr.manager.storage, SGLangHiCacheStorage)
+            req = eng.new_req("a", [1, 2, 3], max_new_tokens=14)
+            eng.admit(req)
+            while not req.finished():
+                eng.step(mgr, [req])
+            settle(mgr)
+            mgr.release_host_resources()
+            tokens = eng.tokens(req)  # those whose KV was written
+            pages = len(tokens) // PS
+            pool = eng.kv_pool
+            common = {"size": pool.size, "page_size": PS, "dtype": pool.dtype, "layer_num": LAYERS,
+                      "device": "cpu", "enable_memory_saver": False}  # fmt: skip
+            twin = (
+                MHATokenToKVPool(head_num=sr.HEADS, head_dim=sr.HEAD_DIM, **common)
+                if kind == "mha"
+                else MLATokenToKVPool(kv_lora_rank=sr.KV_LORA_RANK, qk_rope_head_dim=sr.ROPE_DIM, **common)
+            )
+            prefill = Prefill(kind, "file", extra, kv=twin)
+            try:
+                loaded, idx = prefill.prefetch(tokens)
+                assert loaded == pages
+                got = b"".join(
+                    torch.stack([ref[int(idx[pos])] for pos in range(pages * PS)])
+                    .view(torch.uint8)
+                    .numpy()
+                    .tobytes()
+                    for ref in prefill.layer_rows()
+                )
+                assert got == eng.expected_kv_bytes(tokens, 0, pages * PS)
+            finally:
+                prefill.close()
+        finally:
+            rc.get_parallel().clear_stamp()
 
 
 # --- what SGLang stored, found by kvoffload -----------------------------------------------------
@@ -581,3 +641,25 @@ def test_zero_copy_backends_are_sglangs_own_list() -> None:
     listed = src[src.index("in [") + 4 : src.index("]", src.index("in ["))]
     names = tuple(n.strip().strip('"') for n in listed.split(",") if n.strip())
     assert names == ZERO_COPY_BACKENDS
+
+
+def test_a_host_pool_sglang_cannot_build_here_falls_back_for_file_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where SGLang's host pool cannot be built (SGLang pins it: a CPU-only machine has no
+    CUDA for that), the ``file`` backend writes HiCacheFile's format itself; a backend
+    kvoffload cannot write without SGLang's objects is refused, naming it and why."""
+    import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as hpa
+
+    def no_cuda(**_: Any) -> Any:
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
+    monkeypatch.setattr(hpa, "build_kv_host_pool", no_cuda)
+    pool = real_pool("mla")
+    with published("page_first"):
+        store = sglang_storage(
+            "file", {"file_storage_path": str(tmp_path)}, MODEL, 0, 1, None, pool, page_size=PS
+        )
+        assert isinstance(store, SGLangFileFormat) and store.suffix == "_org-tiny"
+        with pytest.raises(kvo.ConfigError, match=r"mooncake.*CUDA"):
+            sglang_storage("mooncake", None, MODEL, 0, 1, "page_first", pool, page_size=PS)
