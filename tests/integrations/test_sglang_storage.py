@@ -35,6 +35,7 @@ from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+import sglang_storage_tp  # noqa: E402
 import torch  # noqa: E402
 from sglang_fakes import DIM, HEADS, Engine, Req, kv_value, shard_uid  # noqa: E402
 from support import HANG_S  # noqa: E402
@@ -413,6 +414,30 @@ def test_the_drop_in_on_sglangs_scheduler_objects_feeds_sglangs_prefill(
                 prefill.close()
         finally:
             rc.get_parallel().clear_stamp()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_two_tp_ranks_store_what_each_ranks_hicachefile_reads(kind: str, tmp_path: Path) -> None:
+    """F30 under TP 2, two gloo ranks on SGLang's real objects: with MHA each rank's
+    drop-in stores its own heads as ``<key>_<model>_<rank>_2.bin`` (kvoffload adds no
+    suffix of its own), and SGLang's HiCacheFile of that rank reads them byte for byte;
+    with MLA rank 0 alone writes ``<key>_<model>.bin``, which both ranks' HiCacheFile
+    read."""
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=240.0) as ranks:
+        r0, r1 = ranks.run(sglang_storage_tp.rank_stores_and_reads, str(tmp_path), kind)
+    for r in (r0, r1):
+        assert r["pages"] == 4 and r["read"] == 4 and r["same"], r
+    files = r0["files"]
+    if kind == "mha":
+        assert r0["written"] == r1["written"] == 4
+        assert len(files) == 8
+        assert sum(f.endswith("_org-tiny_0_2.bin") for f in files) == 4
+        assert sum(f.endswith("_org-tiny_1_2.bin") for f in files) == 4
+    else:
+        assert (r0["written"], r1["written"]) == (4, 0)
+        assert len(files) == 4 and all(f.endswith("_org-tiny.bin") for f in files), files
 
 
 # --- what SGLang stored, found by kvoffload -----------------------------------------------------
