@@ -77,6 +77,7 @@ __all__ = [
     "file_suffix",
     "sglang_storage",
 ]
+
 #: The backends SGLang 0.5.23's ``HiCacheController.attach_storage_backend`` writes with
 #: ``batch_set_v1(keys, host_indices)`` (zero copy: they read the host pool by index);
 #: every other backend gets ``batch_set(keys, [host_pool.get_data_page(i), ...])``.
@@ -91,7 +92,8 @@ ZERO_COPY_BACKENDS = (
     "mori",
     "tensorcast",
     "seaweedfs",
-)  #: Pages per SGLang storage call (SGLang's ``STORAGE_BATCH_SIZE``).
+)
+#: Pages per SGLang storage call (SGLang's ``STORAGE_BATCH_SIZE``).
 BATCH = 128
 
 
