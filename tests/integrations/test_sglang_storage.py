@@ -416,28 +416,29 @@ def test_the_drop_in_on_sglangs_scheduler_objects_feeds_sglangs_prefill(
             rc.get_parallel().clear_stamp()
 
 
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_two_tp_ranks_store_what_each_ranks_hicachefile_reads(kind: str, tmp_path: Path) -> None:
+def test_two_tp_ranks_store_what_each_ranks_hicachefile_reads(tmp_path: Path) -> None:
     """F30 under TP 2, two gloo ranks on SGLang's real objects: with MHA each rank's
     drop-in stores its own heads as ``<key>_<model>_<rank>_2.bin`` (kvoffload adds no
     suffix of its own), and SGLang's HiCacheFile of that rank reads them byte for byte;
     with MLA rank 0 alone writes ``<key>_<model>.bin``, which both ranks' HiCacheFile
-    read."""
+    read. (One pair of rank processes runs both: starting them costs most of the time.)"""
     from kvoffload.testing import LocalRanks
 
+    (tmp_path / "mha").mkdir()
+    (tmp_path / "mla").mkdir()
     with LocalRanks(2, timeout_s=240.0) as ranks:
-        r0, r1 = ranks.run(sglang_storage_tp.rank_stores_and_reads, str(tmp_path), kind)
-    for r in (r0, r1):
+        mha = ranks.run(sglang_storage_tp.rank_stores_and_reads, str(tmp_path / "mha"), "mha")
+        mla = ranks.run(sglang_storage_tp.rank_stores_and_reads, str(tmp_path / "mla"), "mla")
+    for r in (*mha, *mla):
         assert r["pages"] == 4 and r["read"] == 4 and r["same"], r
-    files = r0["files"]
-    if kind == "mha":
-        assert r0["written"] == r1["written"] == 4
-        assert len(files) == 8
-        assert sum(f.endswith("_org-tiny_0_2.bin") for f in files) == 4
-        assert sum(f.endswith("_org-tiny_1_2.bin") for f in files) == 4
-    else:
-        assert (r0["written"], r1["written"]) == (4, 0)
-        assert len(files) == 4 and all(f.endswith("_org-tiny.bin") for f in files), files
+    files = mha[0]["files"]
+    assert mha[0]["written"] == mha[1]["written"] == 4
+    assert len(files) == 8
+    assert sum(f.endswith("_org-tiny_0_2.bin") for f in files) == 4
+    assert sum(f.endswith("_org-tiny_1_2.bin") for f in files) == 4
+    files = mla[0]["files"]
+    assert (mla[0]["written"], mla[1]["written"]) == (4, 0)
+    assert len(files) == 4 and all(f.endswith("_org-tiny.bin") for f in files), files
 
 
 # --- what SGLang stored, found by kvoffload -----------------------------------------------------
