@@ -300,9 +300,9 @@ class DecodeKVCacheOffloadManager:
     ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
     ``stride`` (default
     ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
-    ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
-    ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
-    kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
+    ``hicache_storage_backend``: SGLang's own L3 storage of that name, which SGLang's
+    prefill side reads (:func:`sglang_l3_storage`); ``None`` none; anything kvoffload's
+    ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
     host pages return, as SGLang retries at the next step; ``"drop"``: counted and
     retried a stride later, lost at finish), ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
