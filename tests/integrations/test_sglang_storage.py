@@ -689,3 +689,51 @@ def test_a_host_pool_sglang_cannot_build_here_falls_back_for_file_only(
         assert isinstance(store, SGLangFileFormat) and store.suffix == "_org-tiny"
         with pytest.raises(kvo.ConfigError, match=r"mooncake.*CUDA"):
             sglang_storage("mooncake", None, MODEL, 0, 1, "page_first", pool, page_size=PS)
+
+
+@pytest.mark.parametrize("backend", ["file", "dynamic"])
+def test_a_chunk_larger_than_the_staging_pool_goes_out_in_parts(backend: str, tmp_path: Path) -> None:
+    """The staging host pool holds about one stride of pages: a larger chunk (a tail
+    flushed at finish) is staged and written in parts, every page confirmed, and read
+    back (kvoffload's fetch path through SGLang's reads) byte for byte."""
+    import sglang_indexed_store as ix
+
+    extra: dict[str, Any] = {"file_storage_path": str(tmp_path)}
+    if backend == "dynamic":
+        extra = {"backend_name": "indexed", "module_path": "sglang_indexed_store",
+                 "class_name": "IndexedStore", "interface_v1": 1, "store": "parts"}  # fmt: skip
+        ix.STORES.pop("parts", None)
+        ix.WRITES["parts"] = 0
+    with published("page_first"):
+        pool = real_pool("mha")
+        tensors = engine_kv_tensors(pool, PS)[1]
+        for t in tensors:
+            t.copy_(torch.randn_like(t))
+        pages = [b"".join(t[p].numpy().tobytes() for t in tensors) for p in range(1, 12)]
+        keys = [f"k{p}" for p in range(len(pages))]
+        store = sglang_storage(backend, extra, MODEL, 0, 1, "page_first", pool, page_size=PS, staging_pages=1)
+        assert isinstance(store, SGLangHiCacheStorage)
+        room = store.host_pool.available_size() // PS
+        assert room < len(pages)
+        asyncio.run(store.put(keys, pages))
+        assert store.pages_written == len(pages)
+        assert asyncio.run(store.exists_prefix(keys)) == len(pages)
+        assert asyncio.run(store.get(keys)) == pages
+        bufs = [memoryview(bytearray(len(p))) for p in pages]
+        assert asyncio.run(store.get_into(keys, bufs)) == len(pages)
+        assert [bytes(b) for b in bufs] == pages
+
+
+def test_importing_the_storage_modules_imports_no_sglang() -> None:
+    """``kvoffload.integrations.sglang_storage`` and ``sglang_format`` import SGLang only
+    when SGLang's storage is built (here, where SGLang is installed)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvoffload.integrations.sglang_storage, kvoffload.integrations.sglang_format; "
+        "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]; "
+        "print(bad); assert not bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
