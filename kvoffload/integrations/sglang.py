@@ -16,7 +16,10 @@ the attributes and methods named below (``import kvoffload.integrations.sglang``
 without SGLang). The settings SGLang's own manager reads from SGLang's published runtime
 config (``runtime_context.get_schedule()``, ``get_memory()``, ``get_serving()``; the
 stride through SGLang's ``envs``) are read from there when SGLang has imported it in
-this process (its scheduler has) and no ``server_args`` is passed. The tests drive this
+this process (its scheduler has) and no ``server_args`` is passed. The one exception:
+with ``hicache_storage_backend`` set, :func:`sglang_l3_storage` builds SGLang's own L3
+storage objects (importing SGLang's storage modules then), so SGLang's prefill side
+reads what is stored (F30). The tests drive this
 class with SGLang's real classes (tests/integrations/sglang_real.py) and with fakes of
 the same shapes. docs/integrations/sglang.md has the one-line change in SGLang's
 scheduler, what is the same and what differs.
