@@ -178,7 +178,26 @@ async def _log_only_scenarios() -> list[dict[str, Any]]:
             lc.finish()
         # sglang.rows_reclaimed_mid_copy: SGLang retracts without draining first.
         _retract_mid_copy()
+        # sglang.storage_fallback: SGLang's storage built where its config is not published.
+        _storage_fallback()
     return logs
+
+
+def _storage_fallback() -> None:
+    """The SGLang integration's storage where SGLang's runtime config is not published:
+    the file backend falls back to writing HiCacheFile's format itself."""
+    import tempfile
+
+    from kvoffload.integrations.sglang_storage import sglang_storage
+
+    sys.path.insert(0, str(Path(__file__).parent / "integrations"))
+    try:
+        from sglang_fakes import MHAPool
+    finally:
+        sys.path.pop(0)
+    with tempfile.TemporaryDirectory() as root:
+        extra = {"file_storage_path": root}
+        sglang_storage("file", extra, "m", 0, 1, "page_first", MHAPool(4, 4, 1), page_size=4)
 
 
 def _retract_mid_copy() -> None:

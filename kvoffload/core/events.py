@@ -53,6 +53,7 @@ EVENT_NAMES: dict[str, str] = {
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
     "manager.step_failed": "a driver's background step failed and was contained; the manager runs on (error)",
     "sglang.rows_reclaimed_mid_copy": "SGLang took a request's rows back while a copy read them (error)",
+    "sglang.storage_fallback": "SGLang's storage could not be built: HiCacheFile's format written (warning)",
 }
 
 Listener = Callable[[str, dict[str, Any]], None]

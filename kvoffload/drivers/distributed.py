@@ -346,9 +346,10 @@ class RankAgreement:
 
     def key_space(self, storage: Storage | None) -> Storage | None:
         """``storage`` as this rank reads and writes it: under ``tp_keys="rank"`` each
-        key suffixed with the rank (:class:`RankKeys`); under ``"shared"`` as it is."""
-        if storage is None or not self.per_rank_keys:
-            return storage
+        key suffixed with the rank (:class:`RankKeys`); under ``"shared"``, or for a store
+        whose ``rank_suffixed`` is true (it adds its own rank suffix), as it is."""
+        if storage is None or not self.per_rank_keys or getattr(storage, "rank_suffixed", False):
+            return storage  # none, shared keys, or a store that suffixes keys per rank itself (SGLang's)
         from kvoffload.storage.rank_keys import RankKeys
 
         return RankKeys(storage, self.rank, self.size)

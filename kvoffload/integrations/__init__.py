@@ -4,6 +4,11 @@
   SGLang's decode scheduler owns, on a :class:`~kvoffload.SyncOffloadManager` with the
   engine's own KV memory.
 
-No engine module is imported here or there: an integration works with the engine's
-objects it is handed (duck-typed) and is tested with fakes shaped like them.
+- :mod:`kvoffload.integrations.sglang_storage` (and ``sglang_format``): storage SGLang's
+  own HiCache reads, written through SGLang's ``HiCacheStorage``; SGLang is imported
+  there lazily, only when that storage is built.
+
+No engine module is imported at import time: an integration works with the engine's
+objects it is handed (duck-typed) and is tested with SGLang's real classes where they
+run on a CPU, and with fakes shaped like them.
 """

@@ -17,7 +17,10 @@ the attributes and methods named below (``import kvoffload.integrations.sglang``
 without SGLang). The settings SGLang's own manager reads from SGLang's published runtime
 config (``runtime_context.get_schedule()``, ``get_memory()``, ``get_serving()``; the
 stride through SGLang's ``envs``) are read from there when SGLang has imported it in
-this process (its scheduler has) and no ``server_args`` is passed. The tests drive this
+this process (its scheduler has) and no ``server_args`` is passed. The one exception:
+with ``hicache_storage_backend`` set, :func:`sglang_l3_storage` builds SGLang's own L3
+storage objects (importing SGLang's storage modules then), so SGLang's prefill side
+reads what is stored (F30). The tests drive this
 class with SGLang's real classes (tests/integrations/sglang_real.py) and with fakes of
 the same shapes. docs/integrations/sglang.md has the one-line change in SGLang's
 scheduler, what is the same and what differs.
@@ -44,7 +47,7 @@ from kvoffload.errors import ConfigError, PageError, UnsupportedKVPool
 from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.core import Lifecycle
 
-__all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors"]
+__all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors", "sglang_l3_storage"]
 
 #: SGLang's default directory of its file storage backend (``HiCacheFile``).
 SGLANG_FILE_DIR = "/tmp/hicache"
@@ -123,6 +126,43 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
             f"{kind_name} is on {device}: only CUDA (and CPU, for tests) are supported; NPU is not yet"
         )
     return kind, tensors
+
+
+def sglang_l3_storage(
+    backend: str,
+    extra_config: Any,
+    model_name: str | None,
+    tp_rank: int,
+    tp_size: int,
+    mem_layout: str | None,
+    kv_pool: Any,
+    *,
+    page_size: int,
+    stride: int | None = None,
+) -> Any:
+    """The kvoffload store of SGLang's L3 storage ``backend`` (``--hicache-storage-backend``,
+    with its extra config, ``served_model_name``, this rank of ``tp_size``,
+    ``--hicache-mem-layout`` or ``None`` for SGLang's published one, the engine's KV
+    pool): pages written through SGLang's own
+    ``HiCacheStorage`` in SGLang's host-page layout, under SGLang's keys, so SGLang's
+    prefill side reads them and kvoffload's lookup finds what SGLang stored
+    (:func:`kvoffload.integrations.sglang_storage.sglang_storage`; the staging host pool
+    holds one stride of pages). Raises :class:`~kvoffload.UnsupportedKVPool` for a
+    layout it does not convert, naming the supported ones."""
+    from kvoffload.integrations.sglang_storage import BATCH, sglang_storage
+
+    staging = min(BATCH, max(1, (stride or page_size) // page_size))
+    return sglang_storage(
+        backend,
+        extra_config,
+        model_name,
+        tp_rank,
+        tp_size,
+        mem_layout,
+        kv_pool,
+        page_size=page_size,
+        staging_pages=staging,
+    )
 
 
 class _Entry:
@@ -287,9 +327,9 @@ class DecodeKVCacheOffloadManager:
     extras: ``host_pages`` (default from ``hicache_size`` in GB, else
     ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
     ``stride`` (default ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page),
-    ``storage`` (default from ``hicache_storage_backend``: ``"file"`` is a file store under
-    ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
-    kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
+    ``storage`` (default from ``hicache_storage_backend``: SGLang's own L3 storage of
+    that name, which SGLang's prefill side reads (:func:`sglang_l3_storage`); ``None``
+    none; anything kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
     host pages return, as SGLang retries at the next step; ``"drop"``: counted and
     retried a stride later, lost at finish), ``host_wait_steps`` (``None``: the wait is
@@ -428,17 +468,35 @@ class DecodeKVCacheOffloadManager:
         ratio = getattr(settings, "hicache_ratio", 2.0) or 2.0
         return max(1, int((n_pages - 1) * page_size * ratio) // page_size)
 
-    @staticmethod
-    def _storage_from(server_args: Any) -> Any:
+    def _storage_from(self, server_args: Any) -> Any:
+        """The store SGLang's config names (``hicache_storage_backend``; ``None``: none):
+        SGLang's own L3 storage, which its prefill side reads (F30): see
+        :func:`sglang_l3_storage`."""
         name = getattr(server_args, "hicache_storage_backend", None)
         if name is None:
             return None
-        if name == "file":
-            return os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR") or SGLANG_FILE_DIR
-        raise ConfigError(
-            f"hicache_storage_backend={name!r} is not a store kvoffload's SGLang integration knows: "
-            "use 'file', or pass storage= (a path, 'redis://...', or a kvoffload Storage)"
+        return sglang_l3_storage(
+            name,
+            getattr(server_args, "hicache_storage_backend_extra_config", None),
+            getattr(server_args, "served_model_name", None),
+            self._tp_rank(self.tp_group),
+            self.tp_world_size,
+            getattr(server_args, "hicache_mem_layout", None),  # None: SGLang's published one
+            self.token_to_kv_pool_allocator.get_kvcache(),
+            page_size=self.page_size,
+            stride=self.offload_stride,
         )
+
+    @staticmethod
+    def _tp_rank(tp_group: Any) -> int:
+        if tp_group is None:
+            return 0
+        rank = getattr(tp_group, "rank", None)
+        if callable(rank):
+            return int(rank())
+        import torch.distributed as dist
+
+        return int(dist.get_rank(group=tp_group))
 
     # --- SGLang's scheduler-facing methods ---------------------------------------------
 

@@ -16,9 +16,11 @@ __all__ = ["RankKeys"]
 
 class RankKeys(Storage):
     """A storage tier seen through one rank's key space (``tp_keys="rank"``): every key
-    suffixed ``_<rank>_<size>``, the tensor-parallel part of SGLang HiCacheFile's key
-    suffix. The page keys themselves (the chain) are the same on every rank; only where
-    each rank's shard is stored differs. Called where the wrapped store is."""
+    suffixed ``_<rank>_<size>`` (kvoffload's own key space: SGLang's HiCacheFile names
+    ``<key>_<model>_<rank>_<size>.bin``; a store that suffixes per rank itself, such as
+    the SGLang integration's, is not wrapped). The page keys themselves (the chain) are
+    the same on every rank; only where each rank's shard is stored differs. Called where
+    the wrapped store is."""
 
     def __init__(self, inner: Storage, rank: int, size: int) -> None:
         self.inner = inner
