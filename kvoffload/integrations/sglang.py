@@ -456,30 +456,23 @@ class DecodeKVCacheOffloadManager:
     # --- SGLang's release path ---------------------------------------------------------
 
     def release_request_kv(self, req: Any) -> None:
-        """SGLang's release of a finished request's KV: the row's committed range (and
-        an over-allocated tail, e.g. speculative decoding's, page-aligned so it never
-        shares a page with the committed range) through ``tree_cache.free_kv_row``, the
-        prefix-cache lock through ``tree_cache.unlock(req)``, the request row through
-        ``req_to_token_pool.free(req)``, then ``req.kv.mark_kv_released()`` when the
-        Req has it. Skipped for a Req whose row is already gone."""
+        """SGLang's release of a finished request's KV, as SGLang 0.5.23's own manager
+        does it (``DecodeKVCacheOffloadManager._release_finished_req``): the row's
+        range the request owns, ``[req.kv.cache_protected_len, req.kv.kv_allocated_len)``,
+        through ``tree_cache.free_kv_row`` (the prefix the decode radix cache matched,
+        ``[0, cache_protected_len)``, stays the tree's: unlocked, never freed, F29);
+        the prefix-cache lock through ``tree_cache.unlock(req.lock)`` then
+        ``req.lock = None`` (the tree caches take the lock, not the request, F28); the
+        request row through ``req_to_token_pool.free(req)``; then
+        ``req.kv.mark_kv_released()``. Skipped for a Req whose row is already gone."""
         kv = req.kv
         if kv.req_pool_idx in _NO_ROW:
             return
-        effective = getattr(req, "effective_kv_committed_len", None)
-        committed = int(effective() if callable(effective) else kv.kv_committed_len)
-        ranges = [(0, committed)]
-        start, end = committed, int(kv.kv_allocated_len)
-        alloc_page = self.token_to_kv_pool_allocator.page_size
-        if alloc_page > 1:
-            start = -(-start // alloc_page) * alloc_page
-        if start < end:
-            ranges.append((start, end))
-        self.tree_cache.free_kv_row(kv, ranges)
-        self.tree_cache.unlock(req)
+        self.tree_cache.free_kv_row(kv, [(int(kv.cache_protected_len), int(kv.kv_allocated_len))])
+        self.tree_cache.unlock(req.lock)
+        req.lock = None
         self.req_to_token_pool.free(req)
-        mark = getattr(kv, "mark_kv_released", None)
-        if callable(mark):
-            mark()
+        kv.mark_kv_released()
 
     # --- kvoffload's side ----------------------------------------------------------------
 

@@ -6,6 +6,7 @@ wait. Skipped without sglang unless ``KVOFFLOAD_REQUIRE_SGLANG=1`` (then they fa
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import sglang_cpu
 
@@ -13,6 +14,9 @@ sglang_cpu.require()
 
 import pytest  # noqa: E402
 import sglang_real as sr  # noqa: E402
+
+from kvoffload.storage.memory import MemoryStorage  # noqa: E402
+from kvoffload.testing import SimBackend  # noqa: E402
 
 TREES = ["unified", "radix"]
 
@@ -69,3 +73,94 @@ def test_the_harness_runs_sglangs_own_request_lifecycle(page_size: int, tree: st
         eng.evict()
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
+
+
+# --- driving the drop-in -------------------------------------------------------------------
+
+
+def open_mgr(eng: sr.Engine, sim: SimBackend | None = None, **kw: Any) -> Any:
+    """kvoffload's drop-in on the engine's real objects, on a SimBackend (the test
+    completes the copies), a memory store."""
+    kw.setdefault("storage", MemoryStorage())
+    kw.setdefault("host_pages", 64)
+    kw.setdefault("drain_timeout_s", 5.0)
+    return eng.manager(backend=sim or SimBackend(), **kw)
+
+
+def run_to_end(eng: sr.Engine, mgr: Any, sim: SimBackend, reqs: list[Any]) -> None:
+    """Scheduler iterations (copies completing after each) until every request finished
+    and kvoffload released it; then the idle loop until nothing is in flight."""
+    for _ in range(10_000):
+        if all(r.finished() for r in reqs):
+            break
+        eng.step(mgr, reqs)
+        sim.complete_all()
+    assert all(r.finished() for r in reqs)
+    while mgr.ongoing_offload or sim.pending:
+        sim.complete_all()
+        mgr.check_offload_progress()
+
+
+def released(req: Any) -> bool:
+    """SGLang's state of a request whose KV was released (``_release_finished_req``)."""
+    return req.kv.req_pool_idx is None and req.lock is None and req.kv.kv_allocated_len == 0
+
+
+# --- F28, F29: the release path through SGLang's real tree caches --------------------------
+
+
+@pytest.mark.parametrize("decode_radix", [False, True], ids=["no-radix", "decode-radix"])
+@pytest.mark.parametrize("tree", TREES)
+def test_f28_release_goes_through_the_real_tree_caches(tree: str, decode_radix: bool) -> None:
+    """F28: a finished request is released through SGLang's real ``UnifiedRadixCache``
+    / ``RadixCache`` as SGLang's own ``_release_finished_req`` does
+    (``tree_cache.unlock(req.lock)``, then ``req.lock = None``): no exception into the
+    scheduler, the row and every slot back, the lock dropped."""
+    with sr.engine(page_size=4, tree=tree, decode_radix=decode_radix) as eng:
+        sim = SimBackend()
+        mgr = open_mgr(eng, sim)
+        if decode_radix:
+            eng.seed_tree(list(range(50, 58)))  # a tree with other pages: nothing matches
+        seeded = eng.tree_slots()
+        reqs = [
+            eng.new_req(f"r{i}", list(range(10 * i, 10 * i + 7 + i)), max_new_tokens=9 + i) for i in range(3)
+        ]
+        for r in reqs:
+            eng.admit(r)
+            assert (r.lock is not None) == decode_radix
+        run_to_end(eng, mgr, sim, reqs)
+        assert all(released(r) for r in reqs), [r.kv for r in reqs]
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity - seeded
+        assert eng.tree_slots() == seeded
+        mgr.release_host_resources()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("tree", TREES)
+def test_f29_a_prefix_matched_from_the_tree_stays_the_trees(tree: str, page_size: int) -> None:
+    """F29: with the decode radix cache on and a prefix matched from the tree
+    (``cache_protected_len > 0``), the release frees only from ``cache_protected_len``,
+    as SGLang does: the tree's pages stay on the tree (its size unchanged, locked no
+    more), and after the tree evicts them every slot is on the free list exactly once
+    (SGLang's debug memory pool checks each free; the free count ends where it began)."""
+    with sr.engine(page_size=page_size, tree=tree, decode_radix=True) as eng:
+        sim = SimBackend()
+        mgr = open_mgr(eng, sim)
+        prompt = list(range(11))
+        seeded = eng.seed_tree(prompt)
+        assert seeded == 11 - 11 % page_size
+        a = eng.new_req("a", prompt, max_new_tokens=12)
+        b = eng.new_req("b", [*prompt[:8], 90, 91, 92], max_new_tokens=7)
+        for r in (a, b):
+            assert eng.admit(r) > 0 and r.kv.cache_protected_len > 0
+        assert eng.tree_cache.protected_size() == seeded
+        run_to_end(eng, mgr, sim, [a, b])
+        assert released(a) and released(b)
+        assert eng.tree_slots() == seeded and eng.tree_cache.protected_size() == 0
+        tree_held = eng.capacity - eng.free_count()
+        assert tree_held == seeded, f"the tree holds {seeded} slots, {tree_held} are not free"
+        assert eng.evict() == seeded
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
