@@ -87,6 +87,20 @@ KVOFFLOAD_KW: Callable[[Any], dict[str, Any]] | None = None
 #: The engines' shape (sglang_real's defaults).
 LAYERS, DTYPE = 2, torch.float16
 
+class CopyAtSubmit(SimBackend):
+    """kvoffload's simulated device, timed as SGLang's copy on this CPU: each copy runs
+    when it is submitted (SGLang's runs inside ``HiCacheController.write()``), its
+    completion delivered at the next ``check_offload_progress()``, as SGLang's ack is.
+    Submits happen for committed tokens only, whose KV the engine wrote already, so a
+    copy here reads what the engine wrote (the F19 concern does not arise)."""
+
+    completes_on_its_own = True
+
+    def submit(self, transfer: Any) -> None:
+        super().submit(transfer)
+        self.complete(transfer)
+
+
 # --- the TP group ------------------------------------------------------------------------------
 
 
@@ -181,6 +195,7 @@ class Record:
     errors: list[str] = dataclasses.field(default_factory=list)
     returns: list[tuple[int, str, bool, bool]] = dataclasses.field(default_factory=list)
     host_pages: int = 0
+    done: Counter[str] = dataclasses.field(default_factory=Counter)
     chains: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
@@ -324,7 +339,7 @@ class _Run:
             hp = mgr.decode_host_mem_pool
             self.record.host_pages = int(hp.size) // int(hp.page_size)
             return mgr
-        self.sim = SimBackend() if self.backend_name == "sim" else None
+        self.sim = CopyAtSubmit() if self.backend_name == "sim" else None
         backend: Any = self.sim if self.sim is not None else "cpu"
         mgr = eng.manager(group, backend=backend, **self.kvoffload_kw(eng))
         self.record.host_pages = int(mgr.manager.config.host_pages)
@@ -405,16 +420,24 @@ class _Run:
 
     def _offload(self, mgr: Any, req: Any) -> bool:
         self._current = self.label_of(req.kv)
+        before = self._deferred(mgr)
         out = bool(mgr.offload_kv_cache(req))
         self.record.returns.append((self.spy.step, self._current, bool(req.finished()), out))
+        if self._deferred(mgr) > before:
+            self.record.host_full.append((self.spy.step, self._current))
         self._copied()
         return out
 
+    def _deferred(self, mgr: Any) -> int:
+        """kvoffload's count of chunks that waited for host pages (0 for SGLang, whose
+        host-full answers are recorded at ``cache_controller.write``)."""
+        return int(mgr.statistics().chunks_deferred) if self.side == "kvoffload" else 0
+
     def _copied(self) -> None:
-        """After each manager call: kvoffload's copies submitted in it complete now, the
-        moment SGLang's CPU copy runs (inside ``HiCacheController.write()``)."""
+        """After each manager call: no copy of kvoffload's is left pending (each ran at
+        its submit, :class:`CopyAtSubmit`)."""
         if self.side == "kvoffload" and self.sim is not None:
-            self.sim.complete_all()
+            assert not self.sim.pending, self.sim.pending
 
     def _drive(self, eng: sr.Engine, mgr: Any) -> None:
         sc = self.sc
@@ -438,6 +461,7 @@ class _Run:
                 req = self.reqs.get(label)
                 if req is None or label in rec.finished:
                     continue
+                rec.done[op] += 1
                 if op == "abort":
                     req.to_finish = FINISH_ABORT("aborted by the script")
                 elif op == "abort_now" and label in running:
@@ -542,11 +566,13 @@ class Outcome:
     """The comparison of one scenario: counts and the differences, by kind."""
 
     scenario: str
+    events: Counter[str] = dataclasses.field(default_factory=Counter)
     frees_compared: int = 0
     keys_compared: int = 0
     bytes_compared: int = 0
     differences: Counter[str] = dataclasses.field(default_factory=Counter)
     details: list[str] = dataclasses.field(default_factory=list)
+    host_pages: tuple[int, int] = (0, 0)
 
     @property
     def unexpected(self) -> list[str]:
@@ -570,6 +596,10 @@ def expected_pages(sc: Scenario, rec: Record) -> dict[str, tuple[str, int]]:
 def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], bytes]) -> Outcome:
     """Compare the two records of ``sc`` (see the module docstring)."""
     out = Outcome(sc.name)
+    out.events = Counter(sgl.done)
+    out.events["requests"] = len(sc.requests)
+    out.events["reused rids"] = len(sc.requests) - len({r.rid for r in sc.requests})
+    out.events["host full (SGLang)"] = len(sgl.host_full)
     for rec in (sgl, kvo):
         for e in rec.errors:
             out.note("unexpected:error", e)
@@ -582,13 +612,19 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
     # From SGLang's first "Not enough host memory" on, kvoffload's deferred chunks (it
     # waits; SGLang drops and retries) hold host pages SGLang's run did not: every
     # request's chunks and releases after that may come later, by that difference.
-    host_bound_from = min((st for st, _ in sgl.host_full), default=None)
-    if sgl.host_pages != kvo.host_pages:
+    # kvoffload's pool can fill where SGLang's did not: it holds the tails it flushed
+    # and the chunks it deferred, pages SGLang's run never held. That is the intended
+    # difference only when its pool is as large as SGLang's.
+    host_bound_from = min((st for st, _ in sgl.host_full + kvo.host_full), default=None)
+    if kvo.host_full and kvo.host_pages < sgl.host_pages:
         out.note(
-            "unexpected:host_pool_size_differs",
-            f"SGLang's host pool holds {sgl.host_pages} pages, kvoffload's {kvo.host_pages} "
-            f"(hicache_ratio={sc.hicache_ratio}, {sc.slots} device slots)",
+            "unexpected:host_pool_smaller",
+            f"kvoffload's host pool ({kvo.host_pages} pages) is smaller than SGLang's ({sgl.host_pages}) "
+            f"and filled at step {min(st for st, _ in kvo.host_full)}",
         )
+    # (The host pools' sizes are compared by test_host_pool_holds_as_many_pages_as_sglangs
+    # and in the summary; here a full pool shows in what each side did.)
+    out.host_pages = (sgl.host_pages, kvo.host_pages)
     last_sgl_page: dict[str, int] = defaultdict(lambda: -1)
     for key in sgl.stored:
         if key in pages:
@@ -617,7 +653,7 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
         if data != truth(lab, i):
             out.note("unexpected:bytes_wrong", f"{name}: stored by one side with bytes the engine never wrote")
         if b is not None:  # only kvoffload stored it
-            if lab in host_full or (host_bound_from is not None and lab not in sgl.finished):
+            if lab in host_full or (host_bound_from is not None and lab not in sgl.finished):  # noqa: SIM114
                 out.note("host_full_waits", f"{name}: SGLang found its host pool full and never stored it")
                 delayed.add(lab)
             elif i > last_sgl_page[lab] and i >= prompt_pages[lab] and lab in sgl.finished:
@@ -692,8 +728,9 @@ def compare_frees(
                 continue
             steps_a, steps_b = [s for s, _, _ in xa], [s for s, _, _ in xb]
             if steps_a != steps_b:
-                later = all(sb >= sa for sa, sb in zip(steps_a, steps_b, strict=True))
-                if later and host_bound_from is not None and steps_a[0] >= host_bound_from:
+                moved = [(sa, sb) for sa, sb in zip(steps_a, steps_b, strict=True) if sa != sb]
+                later = all(sb > sa for sa, sb in moved)
+                if later and host_bound_from is not None and all(sa >= host_bound_from for sa, _ in moved):
                     out.note("host_full_waits", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
                 elif later and label in delayed:
                     out.note("release_waits_for_its_last_copy", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
@@ -884,14 +921,14 @@ def random_scenario(seed: int) -> Scenario:
     ps = rng.choice([1, 2, 4])
     stride = rng.choice([None, ps, 2 * ps, 3 * ps])
     tps = rng.choice([1, 1, 2, 3])
-    ratio = rng.choice([None, None, 0.05, 0.1, 0.5])
-    n = rng.randrange(2, 8)
+    ratio = rng.choice([None, None, 0.01, 0.02, 0.05])  # of 1024 device slots
+    n = rng.randrange(2, 13)
     base = _prompt(rng, 24, 0)
     reqs = []
     for i in range(n):
         plen = rng.randrange(1, 24)
         prompt = base[:plen] if rng.random() < 0.3 else _prompt(rng, plen, 0)
-        reqs.append(ReqSpec(f"q{i}", f"rid{rng.randrange(3)}", prompt, rng.randrange(1, 30), rng.randrange(0, 12)))
+        reqs.append(ReqSpec(f"q{i}", f"rid{rng.randrange(3)}", prompt, rng.randrange(1, 40), rng.randrange(0, 12)))
     events: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for r in reqs:
         roll = rng.random()
@@ -910,7 +947,7 @@ def random_scenario(seed: int) -> Scenario:
         stride=stride,
         tokens_per_step=tps,
         hicache_ratio=ratio,
-        slots=512,
+        slots=1024,
         rows=16,
         requests=reqs,
         events=dict(events),
@@ -923,11 +960,14 @@ def random_scenario(seed: int) -> Scenario:
 def summary(outcomes: list[Outcome]) -> str:
     """The side-by-side summary (pasted in the closing note)."""
     kinds: Counter[str] = Counter()
+    events: Counter[str] = Counter()
     for o in outcomes:
         kinds.update(o.differences)
+        events.update(o.events)
     lines = [
         "kvoffload's SGLang drop-in side by side with SGLang 0.5.23's real DecodeKVCacheOffloadManager",
         f"  scenarios run:   {len(outcomes)} ({sum(1 for o in outcomes if o.scenario.startswith('random-'))} seeded random)",
+        "  exercised:       " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())),
         f"  frees compared:  {sum(o.frees_compared for o in outcomes)} (free_kv_row ranges, allocator slots, unlock, "
         "row frees: order and step)",
         f"  keys compared:   {sum(o.keys_compared for o in outcomes)} (stored by both, SGLang's get_hash_str chain)",
@@ -936,6 +976,11 @@ def summary(outcomes: list[Outcome]) -> str:
     ]
     for kind, n in sorted(kinds.items()):
         lines.append(f"    {kind}: {n}")
+    sized = [o for o in outcomes if o.host_pages[0] != o.host_pages[1]]
+    lines.append(
+        f"  host pool pages (SGLang, kvoffload): differ in {len(sized)} of {len(outcomes)} scenarios"
+        + (f", e.g. {sized[0].scenario}: {sized[0].host_pages}" if sized else "")
+    )
     bad = [(o.scenario, d) for o in outcomes for d in o.unexpected]
     lines.append(f"  unexpected differences: {len(bad)}")
     for name, d in bad[:40]:

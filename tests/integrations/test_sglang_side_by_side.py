@@ -176,3 +176,30 @@ def test_summary_names_every_count_and_kind(capsys: pytest.CaptureFixture[str]) 
     for line in ("scenarios run:   3", "frees compared:", "keys compared:", "bytes compared:", "differences by kind:"):
         assert line in text, text
     assert "tail_flushed_at_finish" in text
+
+
+@pytest.mark.parametrize(
+    ("page_size", "slots", "settings"),
+    [
+        (4, 256, {}),
+        (4, 160, {"hicache_ratio": 0.1}),
+        (1, 100, {"hicache_ratio": 1.5}),
+        (2, 64, {"hicache_size": 1e-4}),
+    ],
+)
+def test_host_pool_holds_as_many_pages_as_sglangs(page_size: int, slots: int, settings: dict[str, float]) -> None:
+    """kvoffload's host pool, sized from SGLang's published settings, holds as many pages
+    as the one SGLang's own manager builds from them (``HostKVCache.__init__``:
+    ``size // page_size + 1`` pages, every one of them allocatable); a full host pool
+    then comes at the same moment on both sides."""
+    with sbs.sr.engine(page_size=page_size, slots=slots, **settings) as eng:
+        with sbs.rank_zero():
+            theirs = sbs.SGLangManager(eng.req_to_token_pool, eng.allocator, sbs.tp_group(), eng.tree_cache)
+        pool = theirs.decode_host_mem_pool
+        sglang_pages = int(pool.available_size()) // page_size
+        ours = eng.manager(sbs.tp_group(), backend=sbs.SimBackend())
+        try:
+            assert ours.manager.config.host_pages == sglang_pages, (ours.manager.config.host_pages, sglang_pages)
+        finally:
+            ours.release_host_resources()
+            theirs.release_host_resources()
