@@ -44,7 +44,7 @@ class KV:
     """``req.kv``: where a request's KV lives in the engine."""
 
     def __init__(self) -> None:
-        self.req_pool_idx: int | None = -1
+        self.req_pool_idx: int | None = None  # SGLang's ReqKvInfo: None until a row is given
         # The tree owns [0, cache_protected_len) (a prefix the decode radix cache matched).
         self.cache_protected_len = 0
         self.kv_committed_len = 0
@@ -53,6 +53,7 @@ class KV:
 
     def mark_kv_released(self) -> None:
         self.released += 1
+        self.kv_allocated_len = 0  # as SGLang's ReqKvInfo.mark_kv_released
 
 
 class TreeLock:
@@ -174,8 +175,14 @@ class ReqToTokenPool:
         self.free_rows = list(range(rows))
         self.frees = 0
 
-    def alloc(self, req: Req) -> None:
-        req.kv.req_pool_idx = self.free_rows.pop(0)  # as SGLang's: from the front, freed to the back
+    def alloc(self, reqs: list[Req]) -> list[int]:
+        """SGLang's ``alloc(reqs)``: a row for each request. SGLang's takes rows from the
+        back of its free list (a row freed last comes back first); the fake takes them
+        from the front, so a resumed request gets another row unless a test puts one
+        there (the same-row case is tested by choice)."""
+        for req in reqs:
+            req.kv.req_pool_idx = self.free_rows.pop(0)
+        return [int(req.kv.req_pool_idx) for req in reqs]  # type: ignore[arg-type]
 
     def free(self, req: Req) -> None:
         row = req.kv.req_pool_idx
@@ -266,7 +273,7 @@ class Engine:
     def prefill(self, req: Req) -> None:
         """Admit ``req`` (or resume it after retraction): a row, pages, the KV of every
         token known (the prompt, and the outputs but the last), a prefix-cache lock."""
-        self.r2t.alloc(req)
+        self.r2t.alloc([req])
         n = len(req.tokens()) if req.output_ids else len(req.origin_input_ids)
         self._grow(req, n + 1)
         for pos in range(n):
