@@ -133,7 +133,14 @@ def transfer_kv_all_layer_lf_pf(
     lands at ``d * dst_layout_dim + l * item_size`` bytes."""
     for src, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
         _memmove_rows(
-            [dst.data_ptr()], dst_layout_dim, item_size, _ptrs(src), src_indices, dst_indices, item_size, num_layers
+            [dst.data_ptr()],
+            dst_layout_dim,
+            item_size,
+            _ptrs(src),
+            src_indices,
+            dst_indices,
+            item_size,
+            num_layers,
         )
 
 
@@ -148,7 +155,9 @@ def transfer_kv_all_layer_mla(
     num_warps_per_block: int = 32,
 ) -> None:
     """MLA, layer-first to layer-first."""
-    _memmove_rows(_ptrs(dst_layers), item_size, 0, _ptrs(src_layers), src_indices, dst_indices, item_size, num_layers)
+    _memmove_rows(
+        _ptrs(dst_layers), item_size, 0, _ptrs(src_layers), src_indices, dst_indices, item_size, num_layers
+    )
 
 
 def transfer_kv_all_layer_mla_lf_pf(
@@ -164,7 +173,14 @@ def transfer_kv_all_layer_mla_lf_pf(
 ) -> None:
     """MLA, layer-first device rows to a page-first host buffer."""
     _memmove_rows(
-        [dst.data_ptr()], dst_layout_dim, item_size, _ptrs(src_layers), src_indices, dst_indices, item_size, num_layers
+        [dst.data_ptr()],
+        dst_layout_dim,
+        item_size,
+        _ptrs(src_layers),
+        src_indices,
+        dst_indices,
+        item_size,
+        num_layers,
     )
 
 
@@ -194,7 +210,9 @@ def _unpinned(init: Any) -> Any:
     assert first_default <= i < positional, "pin_memory is not a positional parameter with a default"
     assert defaults[i - first_default] is True
     defaults[i - first_default] = False
-    new = types.FunctionType(init.__code__, init.__globals__, init.__name__, tuple(defaults), init.__closure__)
+    new = types.FunctionType(
+        init.__code__, init.__globals__, init.__name__, tuple(defaults), init.__closure__
+    )
     new.__kwdefaults__ = init.__kwdefaults__
     new.__qualname__ = init.__qualname__
     new.__doc__ = init.__doc__

@@ -87,6 +87,7 @@ KVOFFLOAD_KW: Callable[[Any], dict[str, Any]] | None = None
 #: The engines' shape (sglang_real's defaults).
 LAYERS, DTYPE = 2, torch.float16
 
+
 class CopyAtSubmit(SimBackend):
     """kvoffload's simulated device, timed as SGLang's copy on this CPU: each copy runs
     when it is submitted (SGLang's runs inside ``HiCacheController.write()``), its
@@ -252,7 +253,9 @@ class _Spy:
 # --- canonical pages ----------------------------------------------------------------------
 
 
-def canonical_from_sglang_page(raw: bytes, layout: str, kv: str, ps: int, layers: int, dtype: torch.dtype) -> bytes:
+def canonical_from_sglang_page(
+    raw: bytes, layout: str, kv: str, ps: int, layers: int, dtype: torch.dtype
+) -> bytes:
     """A page as SGLang's host pool lays it out (``get_data_page``: MHA ``page_first``
     is (K/V, token, layer, head, dim), ``layer_first`` (K/V, layer, token, head, dim);
     MLA ``page_first`` (token, layer, 1, dim), ``layer_first`` (layer, token, 1, dim)),
@@ -287,7 +290,9 @@ def read_store(root: Path, sc: Scenario, layers: int, dtype: torch.dtype) -> dic
             continue
         if p.suffix == ".bin":
             key = p.name.split("_", 1)[0]
-            out[key] = canonical_from_sglang_page(p.read_bytes(), sc.layout, sc.kv, sc.page_size, layers, dtype)
+            out[key] = canonical_from_sglang_page(
+                p.read_bytes(), sc.layout, sc.kv, sc.page_size, layers, dtype
+            )
         elif len(p.name) == 64 and p.parent.name == p.name[:2]:
             kvo_keys.append(p.name)
     if kvo_keys:
@@ -361,8 +366,8 @@ class _Run:
             writer = core._writer  # the storage writer thread (kvoffload's own)
             backend = core.backend
 
-            def done() -> bool:
-                copies = self.sim is not None or backend.inflight == 0
+            def done() -> bool:  # copies launched (at the last poll) have finished
+                copies = self.sim is not None or backend.inflight == len(backend._staged)
                 return copies and (writer is None or writer.pending == 0)
 
         while not done():
@@ -500,11 +505,19 @@ class _Run:
                         self._copied()
                     rec.finished[label] = step
                     running.remove(label)
-            if not running and not retracted and all(r.arrive <= step for r in pending):
-                if not self._busy(mgr):
-                    break
+            if (
+                not running
+                and not retracted
+                and all(r.arrive <= step for r in pending)
+                and not self._busy(mgr)
+            ):
+                break
         for label, req in self.reqs.items():
-            tokens = [*req.origin_input_ids, *req.output_ids[:-1]] if req.output_ids else list(req.origin_input_ids)
+            tokens = (
+                [*req.origin_input_ids, *req.output_ids[:-1]]
+                if req.output_ids
+                else list(req.origin_input_ids)
+            )
             rec.tokens[label] = tokens
             rec.chains[label] = chain_keys(tokens, sc.page_size, req.extra_key, req.cache_salt)
 
@@ -593,8 +606,12 @@ def expected_pages(sc: Scenario, rec: Record) -> dict[str, tuple[str, int]]:
     return out
 
 
-def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], bytes]) -> Outcome:
-    """Compare the two records of ``sc`` (see the module docstring)."""
+def compare(
+    sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], bytes], with_steps: bool = True
+) -> Outcome:
+    """Compare the two records of ``sc`` (see the module docstring); ``with_steps``:
+    the step of each free too (not with kvoffload's real copy threads, whose copies
+    start at the next poll and so end an iteration later than SGLang's)."""
     out = Outcome(sc.name)
     out.events = Counter(sgl.done)
     out.events["requests"] = len(sc.requests)
@@ -632,7 +649,7 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
             last_sgl_page[lab] = max(last_sgl_page[lab], i)
     for key in sorted(set(sgl.stored) | set(kvo.stored)):
         where = pages.get(key)
-        name = f"{key[:12]} ({'%s page %d' % where if where else 'in no request chain'})"
+        name = f"{key[:12]} ({f'{where[0]} page {where[1]}' if where else 'in no request chain'})"
         a, b = sgl.stored.get(key), kvo.stored.get(key)
         if a is not None and b is not None:
             out.keys_compared += 1
@@ -640,7 +657,9 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
             if a != b:
                 out.note("unexpected:bytes_differ", f"{name}: SGLang's and kvoffload's pages differ")
             elif where is not None and a != truth(*where):
-                out.note("unexpected:bytes_wrong_on_both", f"{name}: both stored bytes the engine never wrote")
+                out.note(
+                    "unexpected:bytes_wrong_on_both", f"{name}: both stored bytes the engine never wrote"
+                )
             continue
         if where is None:
             side = "sglang" if a is not None else "kvoffload"
@@ -651,9 +670,11 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
         data = a if a is not None else b
         assert data is not None
         if data != truth(lab, i):
-            out.note("unexpected:bytes_wrong", f"{name}: stored by one side with bytes the engine never wrote")
+            out.note(
+                "unexpected:bytes_wrong", f"{name}: stored by one side with bytes the engine never wrote"
+            )
         if b is not None:  # only kvoffload stored it
-            if lab in host_full or (host_bound_from is not None and lab not in sgl.finished):  # noqa: SIM114
+            if lab in host_full or (host_bound_from is not None and lab not in sgl.finished):
                 out.note("host_full_waits", f"{name}: SGLang found its host pool full and never stored it")
                 delayed.add(lab)
             elif i > last_sgl_page[lab] and i >= prompt_pages[lab] and lab in sgl.finished:
@@ -666,7 +687,7 @@ def compare(sc: Scenario, sgl: Record, kvo: Record, truth: Callable[[str, int], 
     # --- what offload_kv_cache returned (the scheduler acts on it)
     compare_returns(sgl, kvo, host_bound_from, out)
     # --- the frees
-    compare_frees(sgl, kvo, delayed, out, with_steps=True, host_bound_from=host_bound_from)
+    compare_frees(sgl, kvo, delayed, out, with_steps=with_steps, host_bound_from=host_bound_from)
     return out
 
 
@@ -700,7 +721,12 @@ def _free_key(e: tuple[int, str, str, Any], with_step: bool, with_slots: bool) -
 
 
 def compare_frees(
-    sgl: Record, kvo: Record, delayed: set[str], out: Outcome, with_steps: bool, host_bound_from: int | None = None
+    sgl: Record,
+    kvo: Record,
+    delayed: set[str],
+    out: Outcome,
+    with_steps: bool,
+    host_bound_from: int | None = None,
 ) -> None:
     """The frees, in order. A request kvoffload releases later on purpose (a tail it
     flushed, a chunk it deferred) is compared without its step, and once any release
@@ -733,9 +759,15 @@ def compare_frees(
                 if later and host_bound_from is not None and all(sa >= host_bound_from for sa, _ in moved):
                     out.note("host_full_waits", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
                 elif later and label in delayed:
-                    out.note("release_waits_for_its_last_copy", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
+                    out.note(
+                        "release_waits_for_its_last_copy", f"{label}: freed at {steps_b}, SGLang at {steps_a}"
+                    )
+                elif later and not with_steps:
+                    out.note("copies_start_at_next_poll", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
                 elif with_steps:
-                    out.note("unexpected:free_step_differs", f"{label}: freed at {steps_b}, SGLang at {steps_a}")
+                    out.note(
+                        "unexpected:free_step_differs", f"{label}: freed at {steps_b}, SGLang at {steps_a}"
+                    )
         na = Counter(len(d) for _, op, _, d in a if op.startswith("alloc."))
         nb = Counter(len(d) for _, op, _, d in b if op.startswith("alloc."))
         if sum(k * v for k, v in na.items()) != sum(k * v for k, v in nb.items()):
@@ -746,8 +778,10 @@ def compare_frees(
         if x != y:
             out.note("unexpected:frees_differ", f"free #{i}: SGLang {a[i]} kvoffload {b[i]}")
             return
-    out.note("unexpected:frees_differ", f"SGLang made {len(a)} frees, kvoffload {len(b)}; first extra: "
-             f"{(a + b)[min(len(a), len(b))]}")
+    out.note(
+        "unexpected:frees_differ",
+        f"SGLang made {len(a)} frees, kvoffload {len(b)}; first extra: {(a + b)[min(len(a), len(b))]}",
+    )
 
 
 def run_scenario(sc: Scenario, backend: str = "sim") -> tuple[Outcome, dict[str, Record]]:
@@ -765,7 +799,7 @@ def run_scenario(sc: Scenario, backend: str = "sim") -> tuple[Outcome, dict[str,
     def truth(label: str, page: int) -> bytes:
         return truth_page(sc, sgl.tokens[label], page)
 
-    return compare(sc, sgl, kvo, truth), records
+    return compare(sc, sgl, kvo, truth, with_steps=backend == "sim"), records
 
 
 def truth_page(sc: Scenario, tokens: list[int], page: int) -> bytes:
@@ -797,8 +831,11 @@ def fixed_scenarios() -> list[Scenario]:
     out = [
         Scenario(
             "mha-ps4-stride1page",
-            requests=[R("a", "a", _prompt(None, 10, 0), 14, 0), R("b", "b", _prompt(None, 8, 100), 9, 2),
-                      R("c", "c", _prompt(None, 3, 200), 11, 3)],
+            requests=[
+                R("a", "a", _prompt(None, 10, 0), 14, 0),
+                R("b", "b", _prompt(None, 8, 100), 9, 2),
+                R("c", "c", _prompt(None, 3, 200), 11, 3),
+            ],
         ),
         Scenario(
             "mla-ps4-stride1page",
@@ -808,8 +845,11 @@ def fixed_scenarios() -> list[Scenario]:
         Scenario(
             "mha-ps4-stride3pages-tail",
             stride=12,
-            requests=[R("a", "a", _prompt(None, 9, 0), 30, 0), R("b", "b", _prompt(None, 4, 100), 7, 1),
-                      R("c", "c", _prompt(None, 16, 200), 13, 1)],
+            requests=[
+                R("a", "a", _prompt(None, 9, 0), 30, 0),
+                R("b", "b", _prompt(None, 4, 100), 7, 1),
+                R("c", "c", _prompt(None, 16, 200), 13, 1),
+            ],
         ),
         Scenario(
             "mla-ps2-stride2pages-tail",
@@ -834,13 +874,19 @@ def fixed_scenarios() -> list[Scenario]:
             "reused-rid-mid-copy",
             # "x" finishes at step 5 while its last chunk is un-acked; a new Req with the
             # same rid (same prompt: same keys) arrives in the next step.
-            requests=[R("x1", "x", _prompt(None, 8, 0), 5, 0), R("x2", "x", _prompt(None, 8, 0), 9, 5),
-                      R("y", "y", _prompt(None, 4, 50), 12, 0)],
+            requests=[
+                R("x1", "x", _prompt(None, 8, 0), 5, 0),
+                R("x2", "x", _prompt(None, 8, 0), 9, 5),
+                R("y", "y", _prompt(None, 4, 50), 12, 0),
+            ],
         ),
         Scenario(
             "abort-mid-copy",
-            requests=[R("a", "a", _prompt(None, 8, 0), 40, 0), R("b", "b", _prompt(None, 6, 100), 40, 0),
-                      R("c", "c", _prompt(None, 3, 200), 40, 0)],
+            requests=[
+                R("a", "a", _prompt(None, 8, 0), 40, 0),
+                R("b", "b", _prompt(None, 6, 100), 40, 0),
+                R("c", "c", _prompt(None, 3, 200), 40, 0),
+            ],
             # a: aborted by the scheduler at a step its chunk goes out; b: aborted outside
             # a decode step (finalize_release_on_finish) with a copy un-acked; c later.
             events={4: [("abort", "a")], 6: [("abort_now", "b")], 9: [("abort", "c")]},
@@ -885,9 +931,11 @@ def fixed_scenarios() -> list[Scenario]:
         ),
         Scenario(
             "namespaces-extra-key-salt",
-            requests=[R("a", "a", _prompt(None, 8, 0), 9, 0, extra_key="lora-7"),
-                      R("b", "b", _prompt(None, 8, 0), 9, 0, cache_salt="salt"),
-                      R("c", "c", _prompt(None, 8, 0), 9, 1)],
+            requests=[
+                R("a", "a", _prompt(None, 8, 0), 9, 0, extra_key="lora-7"),
+                R("b", "b", _prompt(None, 8, 0), 9, 0, cache_salt="salt"),
+                R("c", "c", _prompt(None, 8, 0), 9, 1),
+            ],
         ),
         Scenario(
             "layer-first-direct",
@@ -928,7 +976,9 @@ def random_scenario(seed: int) -> Scenario:
     for i in range(n):
         plen = rng.randrange(1, 24)
         prompt = base[:plen] if rng.random() < 0.3 else _prompt(rng, plen, 0)
-        reqs.append(ReqSpec(f"q{i}", f"rid{rng.randrange(3)}", prompt, rng.randrange(1, 40), rng.randrange(0, 12)))
+        reqs.append(
+            ReqSpec(f"q{i}", f"rid{rng.randrange(3)}", prompt, rng.randrange(1, 40), rng.randrange(0, 12))
+        )
     events: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for r in reqs:
         roll = rng.random()
@@ -964,14 +1014,19 @@ def summary(outcomes: list[Outcome]) -> str:
     for o in outcomes:
         kinds.update(o.differences)
         events.update(o.events)
+    n_random = sum(1 for o in outcomes if o.scenario.startswith("random-"))
+    n_cpu = sum(1 for o in outcomes if o.scenario.endswith("@cpu"))
     lines = [
         "kvoffload's SGLang drop-in side by side with SGLang 0.5.23's real DecodeKVCacheOffloadManager",
-        f"  scenarios run:   {len(outcomes)} ({sum(1 for o in outcomes if o.scenario.startswith('random-'))} seeded random)",
+        f"  scenarios run:   {len(outcomes)} "
+        f"({n_random} seeded random, {n_cpu} on kvoffload's real copy threads)",
         "  exercised:       " + ", ".join(f"{k} {v}" for k, v in sorted(events.items())),
-        f"  frees compared:  {sum(o.frees_compared for o in outcomes)} (free_kv_row ranges, allocator slots, unlock, "
-        "row frees: order and step)",
-        f"  keys compared:   {sum(o.keys_compared for o in outcomes)} (stored by both, SGLang's get_hash_str chain)",
-        f"  bytes compared:  {sum(o.bytes_compared for o in outcomes)} (page bytes both stored, and against the engine's KV)",
+        f"  frees compared:  {sum(o.frees_compared for o in outcomes)} "
+        "(free_kv_row ranges, allocator slots, unlock, row frees: order and step)",
+        f"  keys compared:   {sum(o.keys_compared for o in outcomes)} "
+        "(stored by both, SGLang's get_hash_str chain)",
+        f"  bytes compared:  {sum(o.bytes_compared for o in outcomes)} "
+        "(page bytes both stored, and against the engine's KV)",
         "  differences by kind:" + ("" if kinds else " none"),
     ]
     for kind, n in sorted(kinds.items()):
@@ -985,15 +1040,23 @@ def summary(outcomes: list[Outcome]) -> str:
     lines.append(f"  unexpected differences: {len(bad)}")
     for name, d in bad[:40]:
         lines.append(f"    [{name}] {d}")
-    lines.append("  CPU stand-ins on SGLang's side: " + "; ".join(w for w, _ in sglang_cpu_stand_ins.STAND_INS))
+    lines.append(
+        "  CPU stand-ins on SGLang's side: " + "; ".join(w for w, _ in sglang_cpu_stand_ins.STAND_INS)
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
-    seeds = int(argv[1]) if len(argv) > 1 else 20
+    """``python tests/integrations/sglang_side_by_side.py [SEEDS]``: every scripted
+    scenario, SEEDS (default 40) seeded random ones, and the scripted ones again on
+    kvoffload's real copy threads; prints the summary; exit status 1 on an unexpected
+    difference."""
+    seeds = int(argv[1]) if len(argv) > 1 else 40
+    runs = [(sc, "sim") for sc in [*fixed_scenarios(), *(random_scenario(s) for s in range(seeds))]]
+    runs += [(dataclasses.replace(sc, name=sc.name + "@cpu"), "cpu") for sc in fixed_scenarios()]
     outcomes = []
-    for sc in [*fixed_scenarios(), *(random_scenario(s) for s in range(seeds))]:
-        outcome, _ = run_scenario(sc)
+    for sc, backend in runs:
+        outcome, _ = run_scenario(sc, backend=backend)
         outcomes.append(outcome)
         print(f"{sc.name}: {dict(outcome.differences) or 'same'}", file=sys.stderr, flush=True)
     print(summary(outcomes))
