@@ -44,13 +44,16 @@ The API (all of it):
 - :class:`Engine` methods: ``new_req``, ``admit`` (SGLang's decode pre-allocation and
   transfer commit, with a prefix matched from the tree and ``req.lock`` taken when the
   decode radix cache is on), ``decode_step`` (SGLang's ``alloc_for_decode`` + the
-  forward's KV write + the sampled token), ``step`` (one scheduler iteration with the
+  forward's KV write + the sampled token; ``stop=True``: a stop token, the request
+  finishes early), ``step`` (one scheduler iteration with the
   offload manager's calls in SGLang's order), ``retract`` (``release_req``), ``resume``
   (decode pre-allocation + ``restore_kv_cache`` / ``Req.load_kv_cache``),
   ``seed_tree`` / ``evict`` (the radix tree's own pages), ``manager`` (kvoffload's
   drop-in built from these objects), ``free_slots`` / ``free_count`` /
   ``check_free_list`` (the allocator's free list: leaks and double frees),
-  ``write_kv`` / ``kv_bytes`` / ``expected_kv_bytes`` (known KV bytes in the pool).
+  ``tree_slots`` (slots the tree holds), ``write_kv`` / ``kv_bytes`` /
+  ``expected_kv_bytes`` (known KV bytes in the pool), ``tokens`` / ``row_slots`` (a
+  request's tokens with KV written, the slots its row names).
 - :func:`kv_value` - the KV the harness's "forward" writes for one token.
 """
 
@@ -70,7 +73,7 @@ sglang_cpu.install()  # torchvision stubbed before the first ``import sglang``
 import torch  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req, release_req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req, release_req  # noqa: E402
 from sglang.srt.mem_cache.allocator import (  # noqa: E402
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -394,12 +397,14 @@ class Engine:
             return fill_len - prefix_len
         return (-(-fill_len // ps) - -(-prefix_len // ps)) * ps
 
-    def decode_step(self, req: Req, token: int | None = None) -> None:
+    def decode_step(self, req: Req, token: int | None = None, *, stop: bool = False) -> None:
         """One decode step of ``req``: SGLang's ``alloc_for_decode_default``
         (mem_cache/allocation.py: a slot for the last output token's position, written
         into the row, ``kv_allocated_len`` and ``kv_committed_len`` += 1, evicting the
         tree when short), the forward pass writing that position's KV, then the sampled
-        token appended and ``req.update_finish_state()`` (batch_result_processor.py)."""
+        token appended and ``req.update_finish_state()`` (batch_result_processor.py).
+        ``stop``: the sampled token is a stop token (the request finishes now, before
+        ``max_new_tokens``: SGLang's ``req.to_finish = FINISH_MATCHED_TOKEN(...)``)."""
         kv = req.kv
         pos = kv.kv_committed_len  # == seqlen - 1: the last output token's position
         row = kv.req_pool_idx
@@ -418,6 +423,8 @@ class Engine:
         kv.kv_committed_len += 1
         self.write_kv(req, pos, pos + 1)
         req.output_ids.append(next(self._tokens) if token is None else token)
+        if stop:
+            req.to_finish = FINISH_MATCHED_TOKEN(matched=req.output_ids[-1])
         req.update_finish_state()
 
     def step(self, mgr: Any, reqs: Sequence[Req]) -> list[Req]:
@@ -645,7 +652,13 @@ def engine(
 
 
 def tp_rank_run(
-    ctx: Any, seed: int, root: str, drop_in_a_cycle: bool = False, kv: str = "mha"
+    ctx: Any,
+    seed: int,
+    root: str,
+    drop_in_a_cycle: bool = False,
+    kv: str = "mha",
+    host_pages: int = 64,
+    host_wait_steps: int | None = None,
 ) -> dict[str, Any]:
     """One TP rank of a replicated SGLang decode scheduler on SGLang's real objects: the
     same requests and calls on every rank (``ctx.group`` is the TP group), each rank's
@@ -657,7 +670,8 @@ def tp_rank_run(
     ``drop_in_a_cycle``: at iteration 6 the engine drops a running request mid-decode
     (its row kept), caught in a reference cycle; rank 0's collector runs at once, the
     others' never (F31); at iteration 12 the engine frees the row (SGLang's
-    ``free_kv_row`` and ``free_rows``)."""
+    ``free_kv_row`` and ``free_rows``). ``host_pages`` / ``host_wait_steps``: the
+    drop-in's host pool and its host-full wait bound (in scheduler steps)."""
     import gc
     import random
 
@@ -669,7 +683,12 @@ def tp_rank_run(
         eng.shard = ctx.rank if kv == "mha" else 0
         sim = SimBackend()
         mgr = eng.manager(
-            tp_group=ctx.group, storage=FileStorage(root), backend=sim, host_pages=64, drain_timeout_s=20.0
+            tp_group=ctx.group,
+            storage=FileStorage(root),
+            backend=sim,
+            host_pages=host_pages,
+            host_wait_steps=host_wait_steps,
+            drain_timeout_s=20.0,
         )
         reqs = [eng.new_req(f"r{i % 3}", [i * 10 + j for j in range(3 + i)], 9 + 2 * i) for i in range(6)]
         names = [f"{r.rid}#{i}" for i, r in enumerate(reqs)]  # rids are reused: the name is the request
@@ -706,7 +725,16 @@ def tp_rank_run(
                 running = [r for r in running if not r.finished()]
                 s = mgr.statistics()
                 counts.append(
-                    (it, s.live_lifecycles, s.released_aborted, s.chunks_discarded, s.device_pages_used)
+                    (
+                        it,
+                        s.live_lifecycles,
+                        s.released_aborted,
+                        s.chunks_discarded,
+                        s.device_pages_used,
+                        s.chunks_deferred,
+                        s.chunks_expired,
+                        s.pages_lost,
+                    )
                 )
                 # This rank's copy engine: a random subset of its copies, in a random order.
                 pending = list(sim.pending)
