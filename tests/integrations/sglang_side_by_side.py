@@ -81,9 +81,10 @@ HANG_S = 60.0
 MODEL = "sbs-model"
 
 SIDES = ("sglang", "kvoffload")
-#: Extra keyword arguments for kvoffload's drop-in beyond SGLang's one line (None: the
-#: one line exactly, as SGLang's scheduler builds its manager).
-KVOFFLOAD_KW: Callable[[Any], dict[str, Any]] | None = None
+#: Builds extra keyword arguments for kvoffload's drop-in beyond SGLang's one line from
+#: the engine (the driver's self-tests break kvoffload on purpose through them); None:
+#: SGLang's one line exactly, as its scheduler builds its manager.
+Extras = Callable[[Any], dict[str, Any]] | None
 #: The engines' shape (sglang_real's defaults).
 LAYERS, DTYPE = 2, torch.float16
 
@@ -196,6 +197,7 @@ class Record:
     errors: list[str] = dataclasses.field(default_factory=list)
     returns: list[tuple[int, str, bool, bool]] = dataclasses.field(default_factory=list)
     host_pages: int = 0
+    crashed: bool = False
     done: Counter[str] = dataclasses.field(default_factory=Counter)
     chains: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
@@ -311,8 +313,9 @@ def read_store(root: Path, sc: Scenario, layers: int, dtype: torch.dtype) -> dic
 class _Run:
     """One scenario on one side."""
 
-    def __init__(self, sc: Scenario, side: str, root: Path, backend: str) -> None:
+    def __init__(self, sc: Scenario, side: str, root: Path, backend: str, extras: Extras = None) -> None:
         self.sc, self.side, self.root, self.backend_name = sc, side, root, backend
+        self.extras = extras
         self.record = Record(side)
         self.reqs: dict[str, Any] = {}
 
@@ -351,7 +354,7 @@ class _Run:
         return mgr
 
     def kvoffload_kw(self, eng: sr.Engine) -> dict[str, Any]:
-        return KVOFFLOAD_KW(eng) if KVOFFLOAD_KW is not None else {}
+        return self.extras(eng) if self.extras is not None else {}
 
     def settle(self, mgr: Any) -> None:
         """Wait (bounded) until the side's threads finished what they were given."""
@@ -410,15 +413,27 @@ class _Run:
             mgr = self.build_manager(eng)
             try:
                 self._drive(eng, mgr)
-            finally:
                 self._close(mgr)
+            except Exception as exc:
+                if self.side == "sglang":
+                    raise  # SGLang's own run is the reference: an error there is the driver's
+                # kvoffload's side raised into the scheduler (or SGLang's debug allocator
+                # caught what it freed): a difference, said where.
+                self.record.errors.append(f"kvoffload, step {self.spy.step}: {_where(exc)}")
+                self.record.crashed = True
+                with contextlib.suppress(Exception):
+                    mgr.release_host_resources()
+                return self.record
             self.record.stored = read_store(self.root, sc, LAYERS, DTYPE)
             if sc.decode_radix:
                 eng.evict()  # the tree's own pages (seeded, or inserted) back to the allocator
             leaked = eng.capacity - eng.free_count()
             if leaked:
                 self.record.errors.append(f"{self.side}: {leaked} slots never came back to the allocator")
-            eng.check_free_list()
+            try:
+                eng.check_free_list()
+            except AssertionError as exc:
+                self.record.errors.append(f"{self.side}: {exc}")
         return self.record
 
     _current = ""
@@ -541,6 +556,19 @@ class _Run:
         if self.side == "sglang":
             mgr.cache_controller.detach_storage_backend()  # stops its backup/prefetch threads
         mgr.release_host_resources()
+
+
+def _where(exc: BaseException) -> str:
+    """``exc`` and where it was raised: the innermost frame in SGLang or kvoffload."""
+    import traceback
+
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if "/sglang/" in f.filename or "/kvoffload/" in f.filename
+    ]
+    at = f" in {Path(frames[-1].filename).name}:{frames[-1].name}" if frames else ""
+    return f"{type(exc).__name__}: {exc}{at}"
 
 
 @contextlib.contextmanager
@@ -784,16 +812,22 @@ def compare_frees(
     )
 
 
-def run_scenario(sc: Scenario, backend: str = "sim") -> tuple[Outcome, dict[str, Record]]:
-    """Run ``sc`` on both sides and compare."""
+def run_scenario(
+    sc: Scenario, backend: str = "sim", extras: Extras = None
+) -> tuple[Outcome, dict[str, Record]]:
+    """Run ``sc`` on both sides and compare (``extras``: see :data:`Extras`)."""
     records: dict[str, Record] = {}
     with tempfile.TemporaryDirectory(prefix="sbs-") as tmp:
         for side in SIDES:
             root = Path(tmp) / side
             root.mkdir()
-            records[side] = _Run(sc, side, root, backend).run()
+            records[side] = _Run(sc, side, root, backend, extras).run()
     sgl, kvo = records["sglang"], records["kvoffload"]
-
+    if kvo.crashed:  # kvoffload's run stopped at its error: that error is the difference
+        out = Outcome(sc.name)
+        for e in kvo.errors:
+            out.note("unexpected:error", e)
+        return out, records
     assert sgl.tokens == kvo.tokens, "the two engines decoded different tokens: the script is not the same"
 
     def truth(label: str, page: int) -> bytes:

@@ -11,6 +11,7 @@ import sglang_cpu
 sglang_cpu.require()
 
 import ast  # noqa: E402
+import dataclasses  # noqa: E402
 import inspect  # noqa: E402
 import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -257,3 +258,61 @@ def test_host_pool_holds_as_many_pages_as_sglangs(
         finally:
             ours.release_host_resources()
             theirs.release_host_resources()
+
+
+# --- the comparison finds what it is for (kvoffload broken on purpose) ----------------------
+
+
+def test_a_release_that_frees_the_trees_prefix_is_caught() -> None:
+    """F29 put back through the drop-in's ``release=``: freeing a finished request's row
+    from position 0 frees the radix tree's matched prefix too; SGLang's debug allocator
+    asserts on the page now free twice, and the side by side reports it as an
+    unexpected error of kvoffload's run, with the step and where it was raised."""
+    sc = next(s for s in sbs.fixed_scenarios() if s.name == "decode-radix-prefix")
+
+    def extras(eng: sbs.sr.Engine) -> dict[str, object]:
+        def release_from_zero(req: sbs.sr.Req) -> None:
+            kv = req.kv
+            eng.tree_cache.free_kv_row(kv, [(0, int(kv.kv_allocated_len))])
+            eng.tree_cache.unlock(req.lock)
+            req.lock = None
+            eng.req_to_token_pool.free(req)
+            kv.mark_kv_released()
+
+        return {"release": release_from_zero}
+
+    outcome, _ = sbs.run_scenario(sc, extras=extras)
+    errors = [d for d in outcome.unexpected if d.startswith("unexpected:error")]
+    assert any("_debug_check_no_duplicate_pages" in d for d in errors), outcome.details
+
+
+def test_lost_pages_wrong_bytes_and_a_late_free_are_caught() -> None:
+    """The comparison itself: a page kvoffload did not store, a page with other bytes,
+    a free one step late and a free with another range are each an unexpected
+    difference, by kind."""
+    sc = next(s for s in sbs.fixed_scenarios() if s.name == "mha-ps4-stride1page")
+    outcome, records = sbs.run_scenario(sc)
+    assert not outcome.differences
+    sgl, kvo = records["sglang"], records["kvoffload"]
+
+    def truth(label: str, page: int) -> bytes:
+        return sbs.truth_page(sc, sgl.tokens[label], page)
+
+    keys = sorted(kvo.stored)
+    lost = dataclasses.replace(kvo, stored={k: v for k, v in kvo.stored.items() if k != keys[0]})
+    bad = dataclasses.replace(kvo, stored={**kvo.stored, keys[1]: b"\0" * len(kvo.stored[keys[1]])})
+    i = next(n for n, f in enumerate(kvo.frees) if f[1] == "free_kv_row")
+    step, op, label, ranges = kvo.frees[i]
+    late = dataclasses.replace(
+        kvo, frees=[*kvo.frees[:i], (step + 1, op, label, ranges), *kvo.frees[i + 1 :]]
+    )
+    wide = dataclasses.replace(
+        kvo, frees=[*kvo.frees[:i], (step, op, label, [(0, 999)]), *kvo.frees[i + 1 :]]
+    )
+    for broken, kind in (
+        (lost, "unexpected:only_sglang_stored"),
+        (bad, "unexpected:bytes_differ"),
+        (late, "unexpected:frees_differ"),
+        (wide, "unexpected:frees_differ"),
+    ):
+        assert kind in sbs.compare(sc, sgl, broken, truth).differences, kind
