@@ -6,7 +6,8 @@ methods.
 It is a :class:`~kvoffload.SyncOffloadManager` in engine-owned mode: SGLang's per-layer
 KV buffers are the device pages (``token_to_kv_pool_allocator.get_kvcache()``), page
 ids come from SGLang's request rows (``req_to_token_pool.req_to_token``, read on the host
-once per scheduler iteration for every request entering a page), the chain of
+at most twice per scheduler iteration: once for the pages running requests enter, once
+for the iteration's arrivals), the chain of
 each request is seeded from ``req.extra_key`` / ``req.cache_salt``, the TP group makes
 every rank release the same requests in the same call, and a finished request's KV is
 released through SGLang's own path (the row's KV range freed, the prefix-cache lock
@@ -171,6 +172,7 @@ class _Entry:
 
     __slots__ = (
         "ahead",
+        "arrived",
         "base",
         "done",
         "edge",
@@ -221,19 +223,26 @@ class _Entry:
         #   starts a new page). Invariant: lc is None or
         #   self.edge == -(-(self.base + lc.committed) // page_size) * page_size
         self.edge = 0
+        # arrived: the tokens an arrival (admitted in this iteration, unfinished) has
+        #   committed but not told yet (0: none): told, their page ids read together with
+        #   every other arrival's, before the next check_offload_progress delivers
+        #   anything. Invariant: self.arrived == 0 or (self.lc is not None and
+        #   self.lc.committed == 0 and self in manager._arrivals)
+        self.arrived = 0
 
 
 class _Ongoing:
     """``len(manager.ongoing_offload)``: work only ``check_offload_progress`` moves on
     (SGLang's scheduler does not sleep while it is non-zero)."""
 
-    __slots__ = ("_mgr",)
+    __slots__ = ("_arrivals", "_mgr")
 
-    def __init__(self, mgr: SyncOffloadManager) -> None:
+    def __init__(self, mgr: SyncOffloadManager, arrivals: list[Any]) -> None:
         self._mgr = mgr
+        self._arrivals = arrivals
 
     def __len__(self) -> int:
-        return self._mgr.outstanding if self._mgr.is_open else 0
+        return self._mgr.outstanding + len(self._arrivals) if self._mgr.is_open else 0
 
     def __bool__(self) -> bool:
         return len(self) > 0
@@ -440,7 +449,12 @@ class DecodeKVCacheOffloadManager:
         # at most one per iteration. Invariant: self._read_at <= self._step
         self._step = 0
         self._read_at = -1
-        self.ongoing_offload = _Ongoing(self.manager)
+        # _arrivals: the entries admitted in this iteration whose tokens are not told yet
+        #   (their page ids are read in one read at the next check_offload_progress, before
+        #   it delivers: a copy starts at that poll either way). Invariant:
+        #   all(e.arrived > 0 for e in self._arrivals)
+        self._arrivals: list[_Entry] = []
+        self.ongoing_offload = _Ongoing(self.manager, self._arrivals)
         self.manager.open()
 
     # --- construction helpers ----------------------------------------------------------
@@ -461,12 +475,14 @@ class DecodeKVCacheOffloadManager:
         """SGLang's host pool size (``HostKVCache.__init__``, mem_cache/pool_host/base.py),
         in whole pages: ``hicache_size`` GB when set (``int(size * 1e9 // bytes per
         token)`` tokens), else ``hicache_ratio`` (default 2.0) times the device pool's
-        tokens (its ``n_pages`` rows less SGLang's padding page)."""
+        tokens (its ``n_pages`` rows less SGLang's padding page); plus the one page SGLang
+        adds to an independent host pool (``page_num = size // page_size + 1``, every
+        page of which it allocates)."""
         size_gb = getattr(settings, "hicache_size", 0) or 0
         if size_gb > 0:
-            return max(1, int(size_gb * 1e9 // (page_bytes // page_size)) // page_size)
+            return int(size_gb * 1e9 // (page_bytes // page_size)) // page_size + 1
         ratio = getattr(settings, "hicache_ratio", 2.0) or 2.0
-        return max(1, int((n_pages - 1) * page_size * ratio) // page_size)
+        return int((n_pages - 1) * page_size * ratio) // page_size + 1
 
     def _storage_from(self, server_args: Any) -> Any:
         """The store SGLang's config names (``hicache_storage_backend``; ``None``: none):
@@ -540,6 +556,8 @@ class DecodeKVCacheOffloadManager:
         if e.finishing is not None:  # finished before: its release still waits for an ack
             return True
         e.served = self._step
+        if e.arrived:  # called twice in one iteration: the arrivals are told first
+            self._tell_arrivals()
         lc = e.lc
         if lc is not None and e.row != row:
             self._reclaimed(e)
@@ -580,7 +598,12 @@ class DecodeKVCacheOffloadManager:
 
         First, a request whose row the engine took back since the last call (its
         ``req_pool_idx`` changed: retraction or preemption) has its lifecycle ended, so
-        a copy of rows no longer its own is discarded, never stored (F32)."""
+        a copy of rows no longer its own is discarded, never stored (F32).
+
+        Before anything, the requests that arrived in the iteration are told their
+        tokens, their page ids read in one read (a copy starts at this poll either way)."""
+        if self._arrivals:
+            self._tell_arrivals()
         self._step += 1
         if self._drained:
             self._scan_reclaimed()
@@ -596,6 +619,8 @@ class DecodeKVCacheOffloadManager:
         request never offloaded is released at once."""
         if self._dead:
             self._reap()
+        if self._arrivals:  # an arrival released before the iteration ended: told first
+            self._tell_arrivals()
         e = self._entries.get(id(req))
         if e is not None and e.ref() is not req:
             self._reap()
@@ -615,7 +640,11 @@ class DecodeKVCacheOffloadManager:
     def drain_before_retraction(self) -> None:
         """Wait until no copy reads any request's rows, so the scheduler may retract
         (free rows). Raises :class:`~kvoffload.DrainTimeout` naming the copies still in
-        flight after ``drain_timeout_s``, as SGLang raises when it cannot drain."""
+        flight after ``drain_timeout_s``, as SGLang raises when it cannot drain. The
+        iteration's arrivals are told first: their copies, like SGLang's, read the rows
+        before they are retracted."""
+        if self._arrivals:
+            self._tell_arrivals()
         timeout = self.manager.config.drain_timeout_s
         self.manager.quiesce(timeout=timeout)
         self._drained = True
@@ -637,6 +666,7 @@ class DecodeKVCacheOffloadManager:
                 self._dead.clear()
                 self._running.clear()
                 self._ending.clear()
+                self._arrivals.clear()
 
     # --- SGLang's release path ---------------------------------------------------------
 
@@ -690,14 +720,12 @@ class DecodeKVCacheOffloadManager:
         was offloaded before it. Stored pages are never read, so they are not held: a
         prefix the engine's radix cache shares between requests is no conflict.
 
-        An unfinished request is admitted with none of those tokens yet: they are told at
-        its next call, their page ids read in that iteration's one batched read with every
-        other request's (a request's first call comes after the iteration's read: SGLang
-        appends arrivals to the running batch). A chunk those tokens already complete goes
-        out one iteration later; a request released through
-        :meth:`finalize_release_on_finish` with no call in between stores none of them (as
-        it stores nothing of a step it was not called for). A request that finishes at its
-        first call is told everything now."""
+        An unfinished request is admitted with none of those tokens yet: they are told
+        before the next ``check_offload_progress`` delivers anything (or before a drain, a
+        ``finalize_release_on_finish`` or its own next call, whichever comes first), the
+        page ids of every arrival of the iteration read in one read (:meth:`_tell_arrivals`).
+        A copy starts at that poll either way, so nothing is later than if they were told
+        now. A request that finishes at its first call is told everything now."""
         if self._drained:
             self._scan_reclaimed(read_ahead=True)
         ps = self.page_size
@@ -720,13 +748,50 @@ class DecodeKVCacheOffloadManager:
         e.lc, e.row, e.base, e.resume, e.req = lc, row, stored, None, req
         e.edge = -(-(stored + len(tokens)) // ps) * ps
         self._running[lc.id] = e
+        if not tokens and committed > stored:
+            e.arrived = committed
+            self._arrivals.append(e)
         return lc
 
-    # --- page ids: one host read of req_to_token per scheduler iteration ------------------
+    def _tell_arrivals(self) -> None:
+        """Tell each arrival of the iteration the tokens it committed at its call, the
+        page ids of all of them read in one host read. An arrival whose row the engine
+        took back in between (preemption) is told nothing: the check for rows taken back
+        ends its lifecycle, and it resumes from its stored prompt."""
+        arrivals = [e for e in self._arrivals if e.lc is not None and e.req is not None]
+        self._arrivals.clear()
+        ps = self.page_size
+        views: list[Any] = []
+        owners: list[tuple[_Entry, int, int]] = []
+        told: list[_Entry] = []
+        for e in arrivals:
+            committed, e.arrived = e.arrived, 0
+            if e.req.kv.req_pool_idx != e.row or e.finishing is not None:
+                continue
+            e.arrived = committed  # read below, told after the read
+            told.append(e)
+            self._want(views, owners, e, e.row, -(-e.base // ps), -(-committed // ps))
+        got = self._read(views, owners)
+        for e, slots in zip(told, got, strict=True):
+            committed, e.arrived = e.arrived, 0
+            lc, req = e.lc, e.req
+            assert lc is not None
+            n = len(req.origin_input_ids)
+            tokens = [*req.origin_input_ids, *req.output_ids[: committed - n]][e.base : committed]
+            try:
+                lc.extend(tokens, pages=self._page_ids(e.row, slots))
+            except PageError:  # a page another lifecycle holds: a row taken back (F32)
+                if not self._free_taken_back() or e.lc is not lc:
+                    continue  # this arrival's own row was taken back: nothing to tell
+                lc.extend(tokens, pages=self._page_ids(e.row, slots))
+            e.edge = -(-committed // ps) * ps
+
+    # --- page ids: batched host reads of req_to_token ----------------------------------
     #
     # SGLang's req_to_token is a device tensor: every host read of it is a device sync.
     # kvoffload's bookkeeping needs page ids as ints, so they are read in one batched read
-    # per iteration (between two check_offload_progress calls): at the first call that
+    # per iteration (between two check_offload_progress calls), plus one for the
+    # iteration's arrivals (_tell_arrivals, at the next check_offload_progress): at the first call that
     # needs a page id, the page-start slots of every page any running request enters in
     # this iteration are gathered (device views, one concatenation, one tolist()). What a
     # request enters is foreseen from its row: the positions SGLang has written KV for
@@ -904,6 +969,10 @@ class DecodeKVCacheOffloadManager:
         the chain resumes at the first of them."""
         lc = e.lc
         assert lc is not None
+        if e.arrived:  # an arrival taken back before it was told anything
+            e.arrived = 0
+            if e in self._arrivals:
+                self._arrivals.remove(e)
         stored, chain = lc.submitted, lc.chain_key or ""
         if lc.inflight:  # the engine freed rows under a running copy (no drain first)
             logger.error(

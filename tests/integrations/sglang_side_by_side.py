@@ -737,6 +737,13 @@ def compare_returns(sgl: Record, kvo: Record, host_bound_from: int | None, out: 
             out.note("unexpected:offload_call_missing", f"{label} step {step}: SGLang {va}, kvoffload {vb}")
         elif fin:
             out.note("finish_returns_release_deferred", f"{label} step {step}: SGLang {va}, kvoffload {vb}")
+        elif va and not vb and (step - 1, label, False) not in ra:
+            # An arrival's first call (admission, or resume after a retraction): kvoffload
+            # tells its tokens at the next check_offload_progress, in one read of the
+            # arrivals' page ids, so nothing went out yet; the copy starts at that poll
+            # either way. SGLang's scheduler ignores the value before finish
+            # (batch_result_processor.py: `offload_kv_cache(req)` for unfinished reqs).
+            out.note("arrival_told_at_next_poll", f"{label} step {step}: SGLang {va}, kvoffload {vb}")
         else:
             out.note("unexpected:offload_returns_differ", f"{label} step {step}: SGLang {va}, kvoffload {vb}")
 

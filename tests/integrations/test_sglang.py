@@ -716,7 +716,7 @@ def test_server_args_size_the_host_pool_and_pick_the_store(tmp_path: Any, monkey
     monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", str(3 * PS + 1))
     engine = Engine(page_size=PS, n_pages=64)
     mgr = engine.manager(server_args=ServerArgs())
-    assert mgr.manager.config.host_pages == int(65 * 0.5)
+    assert mgr.manager.config.host_pages == int(64 * 0.5) + 1  # as SGLang: +1 page
     assert mgr.offload_stride == 3 * PS  # rounded down to whole pages, as SGLang does
     assert str(mgr.manager.storage.root) == str(tmp_path)  # type: ignore[union-attr]
     mgr.release_host_resources()

@@ -188,7 +188,7 @@ def test_the_one_line_swap_reads_sglangs_published_settings(tmp_path: Any, monke
     with sr.engine(page_size=4, slots=256, hicache_storage_backend="file", hicache_ratio=3.0) as eng:
         sim = SimBackend()
         mgr = eng.manager(backend=sim)  # SGLang's line: (r2t, allocator, tp_group, tree_cache)
-        assert mgr.manager.config.host_pages == int(256 * 3.0) // 4
+        assert mgr.manager.config.host_pages == int(256 * 3.0) // 4 + 1
         assert mgr.offload_stride == 8  # 9 tokens rounded down to whole pages, as SGLang does
         req = eng.new_req("a", list(range(9)), max_new_tokens=20)
         eng.admit(req)
@@ -209,7 +209,7 @@ def test_hicache_size_sizes_the_host_pool_as_sglang_does() -> None:
     with sr.engine(page_size=4, slots=256, hicache_size=0.0001, hicache_ratio=3.0) as eng:
         mgr = eng.manager(backend=SimBackend(), storage=None)
         per_token = 2 * sr.HEADS * sr.HEAD_DIM * 2 * 2  # K and V, 2 layers, float16
-        assert mgr.manager.config.host_pages == int(0.0001 * 1e9 // per_token) // 4
+        assert mgr.manager.config.host_pages == int(0.0001 * 1e9 // per_token) // 4 + 1
         mgr.release_host_resources()
 
 
@@ -219,7 +219,7 @@ def test_server_args_when_passed_win_over_the_published_settings() -> None:
     with sr.engine(page_size=4, slots=256, hicache_ratio=3.0) as eng:
         args = sr.server_args(page_size=4, hicache_ratio=0.5)
         mgr = eng.manager(backend=SimBackend(), server_args=args)
-        assert mgr.manager.config.host_pages == int(256 * 0.5) // 4
+        assert mgr.manager.config.host_pages == int(256 * 0.5) // 4 + 1
         mgr.release_host_resources()
 
 
