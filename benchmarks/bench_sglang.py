@@ -9,8 +9,9 @@ by side in one run.
 
 The paths, each without the device copy itself:
 
-- **kvoffload**: the drop-in, its page ids read from ``req_to_token`` once per
-  iteration (issue 20, point 5); copies on a ``SimBackend`` (no copy), ``storage=None``
+- **kvoffload**: the drop-in, its page ids read from ``req_to_token`` in at most two
+  reads per iteration (the running requests' pages, the arrivals'; issue 20, point 5);
+  copies on a ``SimBackend`` (no copy), ``storage=None``
   (page keys are still computed at submit).
 - **kvoffload, one read per request**: the same drop-in with the page-id read it had
   before (each request entering a page reads its own row slice with ``tolist()``).
@@ -390,7 +391,7 @@ def main() -> None:
     us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     before = "kvoffload, one read per request"
     print(f"  SGLang path: {label}")
-    print(f"  kvoffload, one read per iteration:        {us['kvoffload']:7.2f} µs/request-step")
+    print(f"  kvoffload, batched reads per iteration:   {us['kvoffload']:7.2f} µs/request-step")
     print(f"  kvoffload, one read per request entering: {us[before]:7.2f} µs/request-step")
     print(f"  SGLang:                                   {us['sglang']:7.2f} µs/request-step")
     print(f"  ratio kvoffload / SGLang:           {ratio('kvoffload', 'sglang'):.2f}x")
