@@ -135,7 +135,29 @@ def file_suffix(model_name: str | None, kind: str, tp_rank: int, tp_size: int) -
     return f"_{model}" if kind == "mla" else f"_{model}_{tp_rank}_{tp_size}"
 
 
-class SGLangFileFormat(Storage):
+class _PutOnThread(Storage):
+    """``put`` and ``put_pages`` as one blocking ``_put_sync(keys, pages)`` on a worker
+    thread (SGLang's storage objects are synchronous)."""
+
+    def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
+        raise NotImplementedError
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        if keys:
+            await anyio.to_thread.run_sync(self._put_sync, list(keys), list(pages))
+
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        from kvoffload.pools import page_views
+
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        if keys:
+            await anyio.to_thread.run_sync(self._put_sync, list(keys), page_views(host_pool, host_pages))
+
+
+class SGLangFileFormat(_PutOnThread):
     """SGLang 0.5.23 HiCacheFile's format written by kvoffload itself (the fallback of
     :func:`sglang_storage` where SGLang's storage object cannot be built): one file per
     page, ``<root>/<key><suffix>.bin`` (:func:`file_suffix`), holding SGLang's flat page
@@ -160,20 +182,6 @@ class SGLangFileFormat(Storage):
         if not key or "/" in key or key.startswith("."):
             raise StorageError(f"{key!r} is not a page key SGLang's file backend can hold")
         return os.path.join(self.root, f"{key}{self.suffix}.bin")
-
-    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        if keys:
-            await anyio.to_thread.run_sync(self._put_sync, list(keys), list(pages))
-
-    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
-        from kvoffload.pools import page_views
-
-        if len(keys) != len(host_pages):
-            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
-        if keys:
-            await anyio.to_thread.run_sync(self._put_sync, list(keys), page_views(host_pool, host_pages))
 
     def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
         _check_sizes(self.fmt, pages)

@@ -59,6 +59,7 @@ from kvoffload.integrations.sglang_format import (
     PageFormat,
     SGLangFileFormat,
     _check_sizes,
+    _PutOnThread,
     _u8,
     file_suffix,
 )
@@ -66,7 +67,6 @@ from kvoffload.integrations.sglang_format import (
 if TYPE_CHECKING:
     import torch
 
-    from kvoffload.pools import HostPool
 
 __all__ = [
     "LAYOUTS",
@@ -97,7 +97,7 @@ ZERO_COPY_BACKENDS = (
 BATCH = 128
 
 
-class SGLangHiCacheStorage(Storage):
+class SGLangHiCacheStorage(_PutOnThread):
     """kvoffload pages stored through SGLang's own ``HiCacheStorage`` (module docstring).
 
     ``backend`` is the HiCacheStorage SGLang's factory built, ``host_pool`` the SGLang
@@ -143,20 +143,6 @@ class SGLangHiCacheStorage(Storage):
         self.pages_found = 0
 
     # --- writes ----------------------------------------------------------------------------
-
-    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        if keys:
-            await anyio.to_thread.run_sync(self._put_sync, list(keys), list(pages))
-
-    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
-        from kvoffload.pools import page_views
-
-        if len(keys) != len(host_pages):
-            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
-        if keys:
-            await anyio.to_thread.run_sync(self._put_sync, list(keys), page_views(host_pool, host_pages))
 
     def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
         _check_sizes(self.fmt, pages)
