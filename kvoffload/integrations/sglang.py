@@ -11,10 +11,15 @@ every rank release the same requests in the same call, and a finished request's 
 released through SGLang's own path (the row's KV range freed, the prefix-cache lock
 dropped, the request row freed) exactly once, after its last copy is acknowledged.
 
-No SGLang module is imported: the objects the scheduler hands over are used by the
-attributes and methods named below, and the tests drive this class with fakes shaped
-like them. docs/integrations/sglang.md has the one-line change in SGLang's scheduler,
-what is the same and what differs.
+kvoffload imports no SGLang module: the objects the scheduler hands over are used by
+the attributes and methods named below (``import kvoffload.integrations.sglang`` works
+without SGLang). The settings SGLang's own manager reads from SGLang's published runtime
+config (``runtime_context.get_schedule()``, ``get_memory()``, ``get_serving()``; the
+stride through SGLang's ``envs``) are read from there when SGLang has imported it in
+this process (its scheduler has) and no ``server_args`` is passed. The tests drive this
+class with SGLang's real classes (tests/integrations/sglang_real.py) and with fakes of
+the same shapes. docs/integrations/sglang.md has the one-line change in SGLang's
+scheduler, what is the same and what differs.
 
 Threading: construct it and call it from the scheduler's thread (the manager's owner
 thread); nothing here starts an event loop.
@@ -22,10 +27,13 @@ thread); nothing here starts an event loop.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from kvoffload.config import OffloadConfig
@@ -171,7 +179,16 @@ class _Ongoing:
 
 def _stride_from_env(page_size: int) -> int:
     """SGLang's offload stride: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE`` tokens rounded
-    down to whole pages (at least one page); unset or not positive: one page."""
+    down to whole pages (at least one page); unset or not positive: one page. Read
+    through SGLang's ``envs`` (``sglang.srt.environ``) as SGLang's manager reads it, when
+    SGLang has imported it in this process (a value that is not an int: SGLang warns and
+    takes the default); else from the environment (not an int: :class:`ConfigError`)."""
+    environ = sys.modules.get("sglang.srt.environ")
+    if environ is not None:
+        value = environ.envs.SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE.get()
+        if value is None or value <= 0:
+            return page_size
+        return max(page_size, int(value) // page_size * page_size)
     raw = os.environ.get("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "").strip()
     if not raw:
         return page_size
@@ -184,13 +201,67 @@ def _stride_from_env(page_size: int) -> int:
     return max(page_size, value // page_size * page_size)
 
 
+def published_settings() -> Any:
+    """The settings SGLang 0.5.23's own ``DecodeKVCacheOffloadManager.__init__`` reads
+    from SGLang's published runtime config, as a ``ServerArgs``-shaped namespace:
+    ``page_size`` (``get_schedule()``), ``hicache_storage_backend``,
+    ``hicache_storage_backend_extra_config``, ``hicache_ratio``, ``hicache_size``,
+    ``hicache_io_backend`` (``get_memory()``) and ``served_model_name``
+    (``get_serving()``). ``None`` when SGLang's ``runtime_context`` is not imported in
+    this process (SGLang's scheduler imports and publishes it before it builds the
+    manager) or nothing is published there. Never imports SGLang."""
+    rc = sys.modules.get("sglang.srt.runtime_context")
+    if rc is None:
+        return None
+    try:
+        schedule, memory, serving = rc.get_schedule(), rc.get_memory(), rc.get_serving()
+    except ValueError:  # "config namespace ... not published": nothing to read
+        return None
+    return SimpleNamespace(
+        page_size=schedule.page_size,
+        hicache_storage_backend=memory.hicache_storage_backend,
+        hicache_storage_backend_extra_config=memory.hicache_storage_backend_extra_config,
+        hicache_ratio=memory.hicache_ratio,
+        hicache_size=memory.hicache_size,
+        hicache_io_backend=getattr(memory, "hicache_io_backend", None),
+        served_model_name=serving.served_model_name,
+    )
+
+
+def _check_settings(settings: Any, page_size: int) -> None:
+    """Refuse settings the integration cannot follow, naming them (nothing built yet):
+    a published page size other than the allocator's page (decode context parallelism
+    widens the allocator's page; SGLang keys pages on the published one), and a
+    ``hicache_storage_backend_extra_config`` that is not JSON (SGLang refuses it too)."""
+    if settings is None:
+        return
+    published = getattr(settings, "page_size", None)
+    if type(published) is int and published != page_size:
+        raise ConfigError(
+            f"SGLang's page_size is {published} but token_to_kv_pool_allocator.page_size is "
+            f"{page_size} (decode context parallelism?): not supported yet; the integration "
+            "needs the allocator's page to be SGLang's page"
+        )
+    extra = getattr(settings, "hicache_storage_backend_extra_config", None)
+    if extra:
+        try:
+            json.loads(extra)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config is not JSON ({exc}): {extra!r}"
+            ) from None
+
+
 class DecodeKVCacheOffloadManager:
     """SGLang's decode-side offload manager on kvoffload (see the module docstring).
 
     ``DecodeKVCacheOffloadManager(req_to_token_pool, token_to_kv_pool_allocator,
-    tp_group, tree_cache, server_args=None)`` as in SGLang. Keyword-only extras:
-    ``host_pages`` (default from ``server_args.hicache_size`` in GB, else
-    ``hicache_ratio`` (2.0) times the device pages), ``stride`` (default
+    tp_group, tree_cache)`` as SGLang's scheduler builds it; ``server_args`` (optional,
+    fifth) stands in for SGLang's published runtime config, which is read otherwise
+    (:func:`published_settings`: where SGLang's own manager reads it). Keyword-only
+    extras: ``host_pages`` (default from ``hicache_size`` in GB, else
+    ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
+    ``stride`` (default
     ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
     ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
     ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
@@ -230,14 +301,18 @@ class DecodeKVCacheOffloadManager:
             raise ConfigError(
                 f"token_to_kv_pool_allocator.page_size must be a positive int, got {page_size!r}"
             )
-        # The allocator's page (under DCP a multiple of server_args.page_size) is the page
-        # every row range and key is cut on, as in SGLang.
+        # The allocator's page is the page every row range and key is cut on; SGLang's
+        # page_size must be the same (_check_settings).
         self.page_size = page_size
+        # settings: what SGLang's own manager reads (server_args when passed, else
+        # SGLang's published runtime config; None when neither is there: defaults).
+        self.settings = server_args if server_args is not None else published_settings()
+        _check_settings(self.settings, page_size)
         self.kv_kind, device_kv = engine_kv_tensors(token_to_kv_pool_allocator.get_kvcache(), page_size)
         page_bytes = sum(int(t[0].numel() * t.element_size()) for t in device_kv)
         n_pages = int(device_kv[0].shape[0])
         if host_pages is None:
-            host_pages = self._host_pages_from(server_args, page_bytes, n_pages)
+            host_pages = self._host_pages_from(self.settings, page_bytes, n_pages, page_size)
         self.offload_stride = _stride_from_env(page_size) if stride is None else stride
         self.tp_group = tp_group
         self.tp_world_size = self._world_size(tp_group)
@@ -254,7 +329,7 @@ class DecodeKVCacheOffloadManager:
             tp_keys="shared" if self.kv_kind == "mla" else "rank",
         )
         if storage == "server_args":
-            storage = self._storage_from(server_args)
+            storage = self._storage_from(self.settings)
         if backend is None:
             backend = "cuda" if device_kv[0].device.type == "cuda" else "cpu"
         self._release_req = release if release is not None else self.release_request_kv
@@ -300,14 +375,16 @@ class DecodeKVCacheOffloadManager:
         return int(dist.get_world_size(group=tp_group))
 
     @staticmethod
-    def _host_pages_from(server_args: Any, page_bytes: int, n_pages: int) -> int:
-        """SGLang's host pool size: ``hicache_size`` GB when set, else ``hicache_ratio``
-        (default 2.0) times the device pool."""
-        size_gb = getattr(server_args, "hicache_size", 0) or 0
+    def _host_pages_from(settings: Any, page_bytes: int, n_pages: int, page_size: int) -> int:
+        """SGLang's host pool size (``HostKVCache.__init__``, mem_cache/pool_host/base.py),
+        in whole pages: ``hicache_size`` GB when set (``int(size * 1e9 // bytes per
+        token)`` tokens), else ``hicache_ratio`` (default 2.0) times the device pool's
+        tokens (its ``n_pages`` rows less SGLang's padding page)."""
+        size_gb = getattr(settings, "hicache_size", 0) or 0
         if size_gb > 0:
-            return max(1, int(size_gb * 1e9) // page_bytes)
-        ratio = getattr(server_args, "hicache_ratio", 2.0) or 2.0
-        return max(1, int(n_pages * ratio))
+            return max(1, int(size_gb * 1e9 // (page_bytes // page_size)) // page_size)
+        ratio = getattr(settings, "hicache_ratio", 2.0) or 2.0
+        return max(1, int((n_pages - 1) * page_size * ratio) // page_size)
 
     @staticmethod
     def _storage_from(server_args: Any) -> Any:
@@ -456,30 +533,23 @@ class DecodeKVCacheOffloadManager:
     # --- SGLang's release path ---------------------------------------------------------
 
     def release_request_kv(self, req: Any) -> None:
-        """SGLang's release of a finished request's KV: the row's committed range (and
-        an over-allocated tail, e.g. speculative decoding's, page-aligned so it never
-        shares a page with the committed range) through ``tree_cache.free_kv_row``, the
-        prefix-cache lock through ``tree_cache.unlock(req)``, the request row through
-        ``req_to_token_pool.free(req)``, then ``req.kv.mark_kv_released()`` when the
-        Req has it. Skipped for a Req whose row is already gone."""
+        """SGLang's release of a finished request's KV, as SGLang 0.5.23's own manager
+        does it (``DecodeKVCacheOffloadManager._release_finished_req``): the row's
+        range the request owns, ``[req.kv.cache_protected_len, req.kv.kv_allocated_len)``,
+        through ``tree_cache.free_kv_row`` (the prefix the decode radix cache matched,
+        ``[0, cache_protected_len)``, stays the tree's: unlocked, never freed, F29);
+        the prefix-cache lock through ``tree_cache.unlock(req.lock)`` then
+        ``req.lock = None`` (the tree caches take the lock, not the request, F28); the
+        request row through ``req_to_token_pool.free(req)``; then
+        ``req.kv.mark_kv_released()``. Skipped for a Req whose row is already gone."""
         kv = req.kv
         if kv.req_pool_idx in _NO_ROW:
             return
-        effective = getattr(req, "effective_kv_committed_len", None)
-        committed = int(effective() if callable(effective) else kv.kv_committed_len)
-        ranges = [(0, committed)]
-        start, end = committed, int(kv.kv_allocated_len)
-        alloc_page = self.token_to_kv_pool_allocator.page_size
-        if alloc_page > 1:
-            start = -(-start // alloc_page) * alloc_page
-        if start < end:
-            ranges.append((start, end))
-        self.tree_cache.free_kv_row(kv, ranges)
-        self.tree_cache.unlock(req)
+        self.tree_cache.free_kv_row(kv, [(int(kv.cache_protected_len), int(kv.kv_allocated_len))])
+        self.tree_cache.unlock(req.lock)
+        req.lock = None
         self.req_to_token_pool.free(req)
-        mark = getattr(kv, "mark_kv_released", None)
-        if callable(mark):
-            mark()
+        kv.mark_kv_released()
 
     # --- kvoffload's side ----------------------------------------------------------------
 

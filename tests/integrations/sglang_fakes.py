@@ -2,14 +2,21 @@
 and a scheduler loop that drives them only through the scheduler's calls.
 
 - ``Req``: ``rid``, ``origin_input_ids``, ``output_ids``, ``kv`` (``req_pool_idx``,
-  ``kv_committed_len``, ``kv_allocated_len``, ``mark_kv_released()``), ``extra_key``,
-  ``cache_salt``, ``lock`` (the prefix-cache lock it holds), ``finished()``.
+  ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``,
+  ``mark_kv_released()``), ``extra_key``, ``cache_salt``, ``lock`` (the prefix-cache
+  ``TreeLock`` it holds, or None), ``finished()``.
 - ``ReqToTokenPool``: ``req_to_token`` (rows of token slots), ``alloc(req)``,
   ``free(req)`` (sets ``req.kv.req_pool_idx`` to None, as SGLang's does).
 - ``Allocator``: ``page_size``, ``get_kvcache()``, page ``alloc``/``free`` that refuse a
   double free.
 - ``TreeCache``: ``free_kv_row(kv, ranges)`` (frees the row's pages in those ranges),
-  ``unlock(req)`` (drops ``req.lock``; refuses a second unlock).
+  ``unlock(lock)`` (SGLang 0.5.23's shape: it takes the ``TreeLock``, not the request,
+  and reads ``lock.node``; ``None`` is a no-op; refuses a second unlock). The caller
+  sets ``req.lock = None`` itself, as SGLang's release paths do.
+
+The real classes are tests/integrations/sglang_real.py's; these fakes stay for the
+fast suite and for what the real classes cannot do here (a copy engine whose copies
+the test completes, per-rank KV), and keep the real signatures.
 
 The engine writes each token's KV as a function of (request, position, token, layer)
 into its slot when the forward pass "runs", and rewrites a freed page at once with
@@ -38,12 +45,23 @@ class KV:
 
     def __init__(self) -> None:
         self.req_pool_idx: int | None = -1
+        # The tree owns [0, cache_protected_len) (a prefix the decode radix cache matched).
+        self.cache_protected_len = 0
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.released = 0
 
     def mark_kv_released(self) -> None:
         self.released += 1
+
+
+class TreeLock:
+    """SGLang's ``TreeLock`` (base_prefix_cache.py): ``node`` the lock holds (here the
+    rid of the request that took it, so releases can be told apart)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.unlocked = False
 
 
 class Req:
@@ -65,7 +83,7 @@ class Req:
         self.kv = KV()
         self.extra_key = extra_key
         self.cache_salt = cache_salt
-        self.lock: object | None = None
+        self.lock: TreeLock | None = None
         self.max_new = max_new
         self.finished_reason: str | None = None
 
@@ -182,10 +200,12 @@ class TreeCache:
             for p in range(start // ps, -(-end // ps)):
                 self.allocator.free_page(int(row[p * ps]) // ps)
 
-    def unlock(self, req: Req) -> None:
-        assert req.lock is not None, f"{req.rid}: prefix lock released twice"
-        req.lock = None
-        self.released.append(req.rid)
+    def unlock(self, lock: TreeLock | None) -> None:
+        if lock is None:  # SGLang's BasePrefixCache.unlock: nothing held, nothing to do
+            return
+        assert not lock.unlocked, f"{lock.node}: prefix lock released twice"
+        lock.unlocked = True
+        self.released.append(lock.node)
 
 
 class Engine:
@@ -252,7 +272,7 @@ class Engine:
         for pos in range(n):
             self._write(req, pos)
         req.kv.kv_committed_len = n
-        req.lock = object()
+        req.lock = TreeLock(req.rid)
         if not req.output_ids:
             req.output_ids.append(next(self._next_token))  # prefill samples the first token
         self.running.append(req)

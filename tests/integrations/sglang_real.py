@@ -86,6 +86,7 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
@@ -183,6 +184,21 @@ def kv_value(pos: int, token: int, layer: int, which: int, width: int, shard: in
     (multiples of 1/32 below 64 + 8/32)."""
     base = float((pos * 37 + token * 11 + layer * 5 + which * 3 + shard * 13) % 256) / 4.0
     return (torch.arange(width, dtype=torch.float32) % 8) / 32.0 + base
+
+
+def page_keys(
+    tokens: Sequence[int], page_size: int, *, extra_key: str | None = None, cache_salt: str | None = None
+) -> list[str]:
+    """SGLang's storage key of every whole page of ``tokens``, computed by SGLang's own
+    code as its decode offload manager does (``_compute_prefix_hash``): the chain starts
+    at ``storage_namespace_seed(extra_key, cache_salt)``, each page's key is
+    ``get_hash_str(page_tokens, prior_key)``."""
+    keys: list[str] = []
+    last = storage_namespace_seed(extra_key, cache_salt)
+    for p in range(len(tokens) // page_size):
+        last = get_hash_str(list(tokens[p * page_size : (p + 1) * page_size]), last)
+        keys.append(last)
+    return keys
 
 
 # --- the engine ------------------------------------------------------------------------------
@@ -623,3 +639,110 @@ def engine(
             layers=layers,
             dtype=dtype,
         )
+
+
+# --- tensor parallelism: one rank (imported by name in the rank processes) ------------------
+
+
+def tp_rank_run(
+    ctx: Any, seed: int, root: str, drop_in_a_cycle: bool = False, kv: str = "mha"
+) -> dict[str, Any]:
+    """One TP rank of a replicated SGLang decode scheduler on SGLang's real objects: the
+    same requests and calls on every rank (``ctx.group`` is the TP group), each rank's
+    copies completing in its own random order and rounds (a ``SimBackend``), KV bytes
+    that differ by rank (its heads; MLA's are the same). Returns what a test compares
+    across ranks: per iteration the lifecycle counts, the iteration each request's KV
+    was released in, and the allocator's state at the end.
+
+    ``drop_in_a_cycle``: at iteration 6 the engine drops a running request mid-decode
+    (its row kept), caught in a reference cycle; rank 0's collector runs at once, the
+    others' never (F31); at iteration 12 the engine frees the row (SGLang's
+    ``free_kv_row`` and ``free_rows``)."""
+    import gc
+    import random
+
+    from kvoffload.storage.file import FileStorage
+    from kvoffload.testing import SimBackend
+
+    rng = random.Random(seed * 1000 + ctx.rank)
+    with engine(page_size=4, kv=kv) as eng:
+        eng.shard = ctx.rank if kv == "mha" else 0
+        sim = SimBackend()
+        mgr = eng.manager(
+            tp_group=ctx.group, storage=FileStorage(root), backend=sim, host_pages=64, drain_timeout_s=20.0
+        )
+        reqs = [eng.new_req(f"r{i % 3}", [i * 10 + j for j in range(3 + i)], 9 + 2 * i) for i in range(6)]
+        names = [f"{r.rid}#{i}" for i, r in enumerate(reqs)]  # rids are reused: the name is the request
+        waiting, running = list(reqs), []
+        released_at: dict[int, list[str]] = {}
+        done: set[str] = set()
+        dropped: Any = None
+        counts: list[tuple[int, ...]] = []
+        if drop_in_a_cycle:
+            gc.disable()
+        try:
+            for it in range(500):
+                if waiting and it % 3 == 0:
+                    r = waiting.pop(0)
+                    eng.admit(r)
+                    running.append(r)
+                if drop_in_a_cycle and it == 6:
+                    gone = running[0]
+                    gone.cycle = gone  # type: ignore[attr-defined]  # only the collector frees it
+                    dropped = gone.kv
+                    running.remove(gone)
+                    del names[reqs.index(gone)]
+                    reqs.remove(gone)
+                    del gone
+                    if ctx.rank == 0:
+                        gc.collect()
+                if dropped is not None and it == 12:
+                    eng.tree_cache.free_kv_row(
+                        dropped, [(dropped.cache_protected_len, dropped.kv_allocated_len)]
+                    )
+                    eng.req_to_token_pool.free_rows([dropped.req_pool_idx])
+                    dropped.req_pool_idx = None
+                eng.step(mgr, running)
+                running = [r for r in running if not r.finished()]
+                s = mgr.statistics()
+                counts.append(
+                    (it, s.live_lifecycles, s.released_aborted, s.chunks_discarded, s.device_pages_used)
+                )
+                # This rank's copy engine: a random subset of its copies, in a random order.
+                pending = list(sim.pending)
+                rng.shuffle(pending)
+                for t in pending[: rng.randint(0, len(pending))]:
+                    sim.complete(t)
+                now = [
+                    name
+                    for name, r in zip(names, reqs, strict=True)
+                    if name not in done and r.finished() and r.kv.req_pool_idx is None
+                ]
+                done.update(now)
+                if now:
+                    released_at[it] = now
+                if not waiting and not running and not mgr.ongoing_offload:
+                    break
+                if not running and sim.pending and rng.random() < 0.5:
+                    sim.complete_all()
+            while mgr.ongoing_offload:
+                sim.complete_all()
+                mgr.check_offload_progress()
+            mgr.manager.check_invariants()
+            stats = mgr.statistics()
+            mgr.release_host_resources()
+        finally:
+            gc.enable()
+        eng.check_free_list()
+        return {
+            "counts": counts,
+            "released_at": released_at,
+            "released": sorted(done),
+            "names": sorted(names),
+            "pages_stored": stats.pages_stored,
+            "live": stats.live_lifecycles,
+            "host_used": stats.host_pages_used,
+            "free": eng.free_count(),
+            "capacity": eng.capacity,
+            "rows_free": eng.req_to_token_pool.available_size(),
+        }

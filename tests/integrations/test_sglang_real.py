@@ -5,7 +5,9 @@ wait. Skipped without sglang unless ``KVOFFLOAD_REQUIRE_SGLANG=1`` (then they fa
 
 from __future__ import annotations
 
+import asyncio
 import os
+from typing import Any
 
 import sglang_cpu
 
@@ -13,6 +15,10 @@ sglang_cpu.require()
 
 import pytest  # noqa: E402
 import sglang_real as sr  # noqa: E402
+
+import kvoffload as kvo  # noqa: E402
+from kvoffload.storage.memory import MemoryStorage  # noqa: E402
+from kvoffload.testing import SimBackend  # noqa: E402
 
 TREES = ["unified", "radix"]
 
@@ -69,3 +75,277 @@ def test_the_harness_runs_sglangs_own_request_lifecycle(page_size: int, tree: st
         eng.evict()
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
+
+
+# --- driving the drop-in -------------------------------------------------------------------
+
+
+def open_mgr(eng: sr.Engine, sim: SimBackend | None = None, **kw: Any) -> Any:
+    """kvoffload's drop-in on the engine's real objects, on a SimBackend (the test
+    completes the copies), a memory store."""
+    kw.setdefault("storage", MemoryStorage())
+    kw.setdefault("host_pages", 64)
+    kw.setdefault("drain_timeout_s", 5.0)
+    return eng.manager(backend=sim or SimBackend(), **kw)
+
+
+def run_to_end(eng: sr.Engine, mgr: Any, sim: SimBackend, reqs: list[Any]) -> None:
+    """Scheduler iterations (copies completing after each) until every request finished
+    and kvoffload released it; then the idle loop until nothing is in flight."""
+    for _ in range(10_000):
+        if all(r.finished() for r in reqs):
+            break
+        eng.step(mgr, reqs)
+        sim.complete_all()
+    assert all(r.finished() for r in reqs)
+    while mgr.ongoing_offload or sim.pending:
+        sim.complete_all()
+        mgr.check_offload_progress()
+
+
+def released(req: Any) -> bool:
+    """SGLang's state of a request whose KV was released (``_release_finished_req``)."""
+    return req.kv.req_pool_idx is None and req.lock is None and req.kv.kv_allocated_len == 0
+
+
+# --- F28, F29: the release path through SGLang's real tree caches --------------------------
+
+
+@pytest.mark.parametrize("decode_radix", [False, True], ids=["no-radix", "decode-radix"])
+@pytest.mark.parametrize("tree", TREES)
+def test_f28_release_goes_through_the_real_tree_caches(tree: str, decode_radix: bool) -> None:
+    """F28: a finished request is released through SGLang's real ``UnifiedRadixCache``
+    / ``RadixCache`` as SGLang's own ``_release_finished_req`` does
+    (``tree_cache.unlock(req.lock)``, then ``req.lock = None``): no exception into the
+    scheduler, the row and every slot back, the lock dropped."""
+    with sr.engine(page_size=4, tree=tree, decode_radix=decode_radix) as eng:
+        sim = SimBackend()
+        mgr = open_mgr(eng, sim)
+        if decode_radix:
+            eng.seed_tree(list(range(50, 58)))  # a tree with other pages: nothing matches
+        seeded = eng.tree_slots()
+        reqs = [
+            eng.new_req(f"r{i}", list(range(10 * i, 10 * i + 7 + i)), max_new_tokens=9 + i) for i in range(3)
+        ]
+        for r in reqs:
+            eng.admit(r)
+            assert (r.lock is not None) == decode_radix
+        run_to_end(eng, mgr, sim, reqs)
+        assert all(released(r) for r in reqs), [r.kv for r in reqs]
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity - seeded
+        assert eng.tree_slots() == seeded
+        mgr.release_host_resources()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("tree", TREES)
+def test_f29_a_prefix_matched_from_the_tree_stays_the_trees(tree: str, page_size: int) -> None:
+    """F29: with the decode radix cache on and a prefix matched from the tree
+    (``cache_protected_len > 0``), the release frees only from ``cache_protected_len``,
+    as SGLang does: the tree's pages stay on the tree (its size unchanged, locked no
+    more), and after the tree evicts them every slot is on the free list exactly once
+    (SGLang's debug memory pool checks each free; the free count ends where it began)."""
+    with sr.engine(page_size=page_size, tree=tree, decode_radix=True) as eng:
+        sim = SimBackend()
+        mgr = open_mgr(eng, sim)
+        prompt = list(range(11))
+        seeded = eng.seed_tree(prompt)
+        assert seeded == 11 - 11 % page_size
+        a = eng.new_req("a", prompt, max_new_tokens=12)
+        b = eng.new_req("b", [*prompt[:8], 90, 91, 92], max_new_tokens=7)
+        for r in (a, b):
+            assert eng.admit(r) > 0 and r.kv.cache_protected_len > 0
+        assert eng.tree_cache.protected_size() == seeded
+        run_to_end(eng, mgr, sim, [a, b])
+        assert released(a) and released(b)
+        assert eng.tree_slots() == seeded and eng.tree_cache.protected_size() == 0
+        tree_held = eng.capacity - eng.free_count()
+        assert tree_held == seeded, f"the tree holds {seeded} slots, {tree_held} are not free"
+        assert eng.evict() == seeded
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
+
+
+# --- settings: where SGLang's own manager reads them ---------------------------------------
+
+
+def files_under(root: Any) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*") if p.is_file())
+
+
+def test_the_one_line_swap_reads_sglangs_published_settings(tmp_path: Any, monkeypatch: Any) -> None:
+    """SGLang's scheduler builds the manager with four arguments and no server_args;
+    SGLang's own manager reads the published runtime config. After the one-line swap,
+    with only the runtime context published: ``--hicache-storage-backend file`` stores
+    (under ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``), the host pool is sized by
+    ``--hicache-ratio`` as SGLang sizes its own (the device pool's tokens times the
+    ratio, in whole pages), and the stride comes from SGLang's ``envs``."""
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
+    monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "9")
+    with sr.engine(page_size=4, slots=256, hicache_storage_backend="file", hicache_ratio=3.0) as eng:
+        sim = SimBackend()
+        mgr = eng.manager(backend=sim)  # SGLang's line: (r2t, allocator, tp_group, tree_cache)
+        assert mgr.manager.config.host_pages == int(256 * 3.0) // 4
+        assert mgr.offload_stride == 8  # 9 tokens rounded down to whole pages, as SGLang does
+        req = eng.new_req("a", list(range(9)), max_new_tokens=20)
+        eng.admit(req)
+        run_to_end(eng, mgr, sim, [req])
+        for _ in range(10_000):  # the idle loop until the storage writes are collected
+            mgr.check_offload_progress()
+            if not mgr.statistics().pages_in_write:
+                break
+            mgr.manager.wait_progress(0.01)
+        assert mgr.statistics().pages_stored >= (9 + 19) // 4 - 9 // 4
+        assert files_under(tmp_path), "nothing was stored under the file backend's directory"
+        mgr.release_host_resources()
+
+
+def test_hicache_size_sizes_the_host_pool_as_sglang_does() -> None:
+    """``--hicache-size`` (GB) wins over the ratio: SGLang's host pool holds
+    ``int(size * 1e9 // bytes per token)`` tokens; kvoffload's that many whole pages."""
+    with sr.engine(page_size=4, slots=256, hicache_size=0.0001, hicache_ratio=3.0) as eng:
+        mgr = eng.manager(backend=SimBackend(), storage=None)
+        per_token = 2 * sr.HEADS * sr.HEAD_DIM * 2 * 2  # K and V, 2 layers, float16
+        assert mgr.manager.config.host_pages == int(0.0001 * 1e9 // per_token) // 4
+        mgr.release_host_resources()
+
+
+def test_server_args_when_passed_win_over_the_published_settings() -> None:
+    """A ``server_args`` passed to the drop-in (its optional fifth argument) is read
+    instead of the published context."""
+    with sr.engine(page_size=4, slots=256, hicache_ratio=3.0) as eng:
+        args = sr.server_args(page_size=4, hicache_ratio=0.5)
+        mgr = eng.manager(backend=SimBackend(), server_args=args)
+        assert mgr.manager.config.host_pages == int(256 * 0.5) // 4
+        mgr.release_host_resources()
+
+
+def test_a_published_page_size_other_than_the_allocators_is_refused() -> None:
+    """SGLang keys pages on its published page size; an allocator page of another size
+    (decode context parallelism widens it) is refused by name, nothing opened."""
+    with sr.engine(page_size=4) as eng:
+        from sglang.srt import runtime_context as rc
+
+        rc.get_context().override("test", page_size=8)
+        with pytest.raises(kvo.ConfigError, match="page_size is 8"):
+            eng.manager(backend=SimBackend(), storage=None)
+
+
+# --- F31, F32 on the real classes ------------------------------------------------------------
+
+
+def test_f31_tp_ranks_whose_collectors_run_at_other_moments_stay_in_step(tmp_path: Any) -> None:
+    """F31 on two gloo ranks and SGLang's real objects: a Req dropped mid-decode in a
+    reference cycle is collected on rank 0 at once and on rank 1 never. Both ranks see
+    the same lifecycles, aborts, discarded copies and pages after every iteration,
+    release the same requests in the same iterations (no collective raises
+    RanksDiverged), and every slot and row is back in SGLang's allocator and pool.
+    (MHA: each rank's KV differs; MLA under TP is covered by test_sglang.py's fakes.)"""
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=240.0) as ranks:
+        r0, r1 = ranks.run(sr.tp_rank_run, 11, str(tmp_path), True, "mha")
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert r0["released"] == r0["names"], "every request not dropped was released"
+    aborted = [c[2] for c in r0["counts"]]  # released ABORTED: only the dropped request is
+    assert aborted[11] == 0 and aborted[12] == 1, f"the dropped request ends when its row goes: {aborted}"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0
+        assert r["free"] == r["capacity"] and r["rows_free"] == 16
+
+
+class FinishesWhenWaitedOn(SimBackend):
+    """A copy engine whose pending copies all finish when the caller waits for one (the
+    test's schedule; nothing finishes on its own)."""
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        self.complete_all()
+        return super().wait_ready(timeout)
+
+
+def check_stored(eng: sr.Engine, mgr: Any, storage: MemoryStorage, req: Any, first: int, last: int) -> None:
+    """Pages ``first..last`` of ``req`` are stored under SGLang's keys (SGLang's own
+    hash) with the bytes the engine wrote."""
+    for _ in range(10_000):  # the idle loop until the storage writes are collected
+        mgr.check_offload_progress()
+        if not mgr.statistics().pages_in_write:
+            break
+        mgr.manager.wait_progress(0.01)
+    ps = eng.page_size
+    tokens = eng.tokens(req)
+    keys = sr.page_keys(tokens, ps, extra_key=req.extra_key, cache_salt=req.cache_salt)[first:last]
+    got = asyncio.run(storage.get(keys))
+    for i, (key, page) in enumerate(zip(keys, got, strict=True)):
+        p = first + i
+        assert page is not None, f"{req.rid}: page {p} ({key[:12]}) missing from storage"
+        assert page == eng.expected_kv_bytes(tokens, p * ps, (p + 1) * ps), f"{req.rid}: page {p} bytes"
+
+
+def page_ids(eng: sr.Engine, req: Any) -> set[int]:
+    ps = eng.page_size
+    return {s // ps for s in eng.row_slots(req, 0, req.kv.kv_allocated_len)}
+
+
+@pytest.mark.parametrize("path", ["extend", "admit"])
+def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_call(path: str) -> None:
+    """F32 on SGLang's real objects: request a is preempted (SGLang's ``release_req``,
+    no ``drain_before_retraction()`` first, as priority preemption does) while its copy
+    is in flight; SGLang's allocator hands a's freed pages to b's next step
+    (``extend``) or to a new request c (``admit``). That call must not fail; a resumes
+    (``restore_kv_cache``) and its chain goes on; every request's pages are stored
+    under SGLang's keys with the engine's bytes, and every slot comes back once."""
+    with sr.engine(page_size=4) as eng:
+        sim = FinishesWhenWaitedOn()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage)
+        a = eng.new_req("a", list(range(9)), max_new_tokens=40)
+        b = eng.new_req("b", list(range(6)), max_new_tokens=30)
+        eng.admit(a)
+        eng.admit(b)
+        running = [a, b]
+
+        def ready() -> bool:
+            copying = any(t.lifecycle.tag.ref() is a for t in sim.pending)
+            b_grows = b.kv.kv_committed_len % eng.page_size == 0  # b's next slot starts a page
+            return copying and (path == "admit" or b_grows)
+
+        for _ in range(60):
+            if ready():
+                break
+            eng.step(mgr, running)
+        assert ready()
+        a_pages = page_ids(eng, a)
+        mgr.check_offload_progress()  # SGLang's order: progress, batch selection, the step
+        assert eng.retract(a)  # priority preemption: no drain, a's copy still reads its rows
+        running = [b]
+        reqs = [a, b]
+        if path == "admit":
+            c = eng.new_req("c", list(range(50, 63)), max_new_tokens=20)
+            eng.admit(c)
+            running.append(c)
+            reqs.append(c)
+            assert a_pages & page_ids(eng, c), "c was handed a's pages"
+        eng.step(mgr, running)  # the step's offload calls: none may raise
+        if path == "extend":
+            assert page_ids(eng, b) & a_pages, "b's new page was a's"
+        eng.resume(a)
+        running.append(a)
+        for _ in range(10_000):
+            running = [r for r in running if not r.finished()]
+            if not running:
+                break
+            sim.complete_all()
+            eng.step(mgr, running)
+        while mgr.ongoing_offload or sim.pending:
+            sim.complete_all()
+            mgr.check_offload_progress()
+        assert all(released(r) for r in reqs)
+        for r in reqs:
+            n = len(r.origin_input_ids) + len(r.output_ids) - 1
+            check_stored(eng, mgr, storage, r, len(r.origin_input_ids) // 4, n // 4)
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
