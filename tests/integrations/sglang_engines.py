@@ -41,10 +41,49 @@ import sglang_fakes as fakes
 KINDS = ["fake", "real-unified", "real-radix"]
 
 
-class FakeEngine(fakes.Engine):
+class _Releases:
+    """Records each release through SGLang's path: the drop-in's
+    ``req_to_token_pool.free(req)`` (a wrapper that calls the pool's own), told apart
+    from the engine's own frees (retraction, a dropped request)."""
+
+    def _record_releases(self, pool: Any) -> None:
+        # _released: (rid, Req) of each release through SGLang's path, in order;
+        # _own: the engine itself is freeing (not a release).
+        self._released: list[tuple[str, weakref.ref[Any]]] = []
+        self._own = False
+        pool_free = pool.free
+
+        def free(req: Any) -> None:
+            if not self._own:
+                self._released.append((req.rid, weakref.ref(req)))
+            pool_free(req)
+
+        pool.free = free
+
+    @contextlib.contextmanager
+    def _engine_frees(self) -> Iterator[None]:
+        self._own = True
+        try:
+            yield
+        finally:
+            self._own = False
+
+    @property
+    def released(self) -> list[str]:
+        return [rid for rid, _ in self._released]
+
+    def releases(self, req: Any) -> int:
+        return sum(1 for _, ref in self._released if ref() is req)
+
+
+class FakeEngine(_Releases, fakes.Engine):
     """sglang_fakes.Engine with the interface's names."""
 
     kind = "fake"
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._record_releases(self.r2t)
 
     @property
     def req_to_token_pool(self) -> Any:
@@ -65,27 +104,29 @@ class FakeEngine(fakes.Engine):
     ) -> Any:
         return fakes.Req(rid, prompt, max_new, extra_key=extra_key, cache_salt=cache_salt)
 
-    @property
-    def released(self) -> list[str]:
-        return self.tree.released
+    def _take_back(self, req: Any) -> None:
+        with self._engine_frees():
+            super()._take_back(req)
 
-    def releases(self, req: Any) -> int:
-        return int(req.kv.released)
+    def drop(self, req: Any) -> None:
+        with self._engine_frees():
+            super().drop(req)
 
     def held(self) -> int:
         return len(self.allocator.used) * self.page_size
 
     def take_back(self, kv: Any) -> None:
-        self.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
-        self.r2t.free_rows.append(kv.req_pool_idx)
+        self.tree.free_kv_row(kv, [(kv.cache_protected_len, kv.kv_allocated_len)])
+        self.r2t.free_rows([kv.req_pool_idx])
         kv.req_pool_idx = None
+        kv.mark_kv_released()
 
     def next_row(self, row: int) -> None:
-        self.r2t.free_rows.remove(row)
-        self.r2t.free_rows.insert(0, row)
+        self.r2t.free_slots.remove(row)
+        self.r2t.free_slots.append(row)  # rows are handed out from the tail
 
     def reverse_free_pages(self) -> None:
-        self.allocator.free_pages.reverse()
+        self.allocator.free_pages = self.allocator.free_pages.flip(0)
 
     def finish_now(self, req: Any) -> None:
         req.finished_reason = "stop"
@@ -95,17 +136,15 @@ class FakeEngine(fakes.Engine):
 
     def row_pages(self, req: Any) -> list[int]:
         row, ps = req.kv.req_pool_idx, self.page_size
-        return [
-            int(self.r2t.req_to_token[row, p * ps]) // ps for p in range(-(-req.kv.kv_allocated_len // ps))
-        ]
+        n = -(-req.kv.kv_allocated_len // ps)
+        return [int(self.r2t.req_to_token[row, p * ps]) // ps for p in range(n)]
 
     def expected(self, uid: int, tokens: list[int], page: int) -> bytes:
-        return fakes.expected_page(
-            fakes.shard_uid(uid, self.shard), tokens, page, self.page_size, self.n_tensors
-        )
+        uid = fakes.shard_uid(uid, self.shard)
+        return fakes.expected_page(uid, tokens, page, self.page_size, self.n_tensors)
 
 
-class RealEngine:
+class RealEngine(_Releases):
     """SGLang's real decode-side objects (sglang_real.Engine) behind the interface. Build
     it with :func:`make` (inside the published runtime context it needs)."""
 
@@ -117,19 +156,7 @@ class RealEngine:
         self.waiting: list[Any] = []
         self.mgr: Any = None
         self.n_tensors = len(eng._buffers())
-        # _released: (rid, Req) of each release through SGLang's path (the drop-in's
-        #   req_to_token_pool.free(req)), in order; _own: the engine itself is freeing.
-        self._released: list[tuple[str, weakref.ref[Any]]] = []
-        self._own = False
-        pool = eng.req_to_token_pool
-        sglang_free = pool.free
-
-        def free(req: Any) -> None:
-            if not self._own:
-                self._released.append((req.rid, weakref.ref(req)))
-            sglang_free(req)
-
-        pool.free = free
+        self._record_releases(eng.req_to_token_pool)
 
     @property
     def req_to_token_pool(self) -> Any:
@@ -146,14 +173,6 @@ class RealEngine:
     @shard.setter
     def shard(self, value: int) -> None:
         self.real.shard = value
-
-    @contextlib.contextmanager
-    def _engine_frees(self) -> Iterator[None]:
-        self._own = True
-        try:
-            yield
-        finally:
-            self._own = False
 
     def manager(self, tp_group: Any = None, server_args: Any = None, **kw: Any) -> Any:
         self.mgr = self.real.manager(tp_group, server_args, **kw)
@@ -249,13 +268,6 @@ class RealEngine:
         raise AssertionError("requests did not finish")
 
     # --- what the tests read and do -----------------------------------------------------
-
-    @property
-    def released(self) -> list[str]:
-        return [rid for rid, _ in self._released]
-
-    def releases(self, req: Any) -> int:
-        return sum(1 for _, ref in self._released if ref() is req)
 
     def held(self) -> int:
         """Slots the allocator handed out that are neither free nor the tree's, after

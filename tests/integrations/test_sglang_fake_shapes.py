@@ -13,6 +13,7 @@ a stale entry too), so the list only ever shrinks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 from typing import Any
@@ -59,8 +60,8 @@ def _kind(owner: Any, name: str) -> str:
 def _type_name(value: Any) -> str | None:
     """A value's shape for the comparison: a builtin's type, a tensor's dtype and shape, a
     list of either; None for another object (a fake of its own, compared as its pair)."""
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{tuple(value.shape)}"
+    if isinstance(value, torch.Tensor):  # the last dimension's width is a setting (heads, rank)
+        return f"{str(value.dtype).removeprefix('torch.')}{(*value.shape[:-1], '...')}"
     if isinstance(value, (list, tuple)):
         kinds = sorted({str(_type_name(v)) for v in value})
         return f"{type(value).__name__}[{len(value)} x {' | '.join(kinds) or '-'}]"
@@ -109,38 +110,44 @@ def _sig(params: list[tuple[str, str, str]]) -> str:
 PS, N_PAGES, LAYERS = 4, 16, 2
 
 
-def _real_objects() -> dict[str, Any]:
-    """One small instance of each real class (CPU, float32), for instance attributes."""
-    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-    from sglang.srt.sampling.sampling_params import SamplingParams
+def _real_objects(stack: contextlib.ExitStack) -> dict[str, Any]:
+    """One of each real class, built by sglang_real.py's harness as SGLang's decode
+    scheduler builds them (CPU)."""
+    import sglang_real as sr
 
-    size = N_PAGES * PS
-    mha = MHATokenToKVPool(size, PS, torch.float32, fakes.HEADS, fakes.DIM, LAYERS, "cpu", False)
-    mla = MLATokenToKVPool(size, PS, torch.float32, fakes.DIM, fakes.DIM, LAYERS, "cpu", False)
+    def eng(**kw: Any) -> Any:
+        kw.setdefault("slots", N_PAGES * PS)
+        kw.update(rows=4, max_context=64, layers=LAYERS)
+        # float32 as the fakes' (SGLang's is the model's dtype: a setting, not a shape)
+        return stack.enter_context(sr.engine(dtype=torch.float32, **kw))
+
+    mha = eng(page_size=PS)
     return {
-        "KV": ReqKvInfo(),
-        "Req": Req("r", "", [1, 2, 3], SamplingParams(max_new_tokens=4)),
-        "ReqToTokenPool": ReqToTokenPool(4, 64, "cpu", False),
-        "MHAPool": mha,
-        "MLAPool": mla,
-        "Allocator": PagedTokenToKVPoolAllocator(size, PS, torch.float32, "cpu", mha, False),
-        "Allocator/page_size=1": TokenToKVPoolAllocator(size, torch.float32, "cpu", mha, False),
+        "KV": type(mha.new_req("r", [1], 1).kv)(),
+        "Req": mha.new_req("r", [1, 2, 3], 4),
+        "ReqToTokenPool": mha.req_to_token_pool,
+        "MHAPool": mha.kv_pool,
+        "MLAPool": eng(page_size=PS, kv="mla").kv_pool,
+        "Allocator": mha.allocator,
+        "Allocator/page_size=1": eng(page_size=1).allocator,
+        "TreeCache/RadixCache": eng(page_size=PS, tree="radix").tree_cache,
+        "TreeCache/UnifiedRadixCache": mha.tree_cache,
     }
 
 
 def _fake_objects() -> dict[str, Any]:
     engine = fakes.Engine(page_size=PS, n_pages=N_PAGES, layers=LAYERS, rows=4, max_context=64)
-    mla = fakes.MLAPool(N_PAGES, PS, LAYERS)
+    ps1 = fakes.Engine(page_size=1, n_pages=N_PAGES * PS, layers=LAYERS, rows=4, max_context=64)
     return {
         "KV": fakes.KV(),
         "Req": fakes.Req("r", [1, 2, 3], max_new=4),
         "ReqToTokenPool": engine.r2t,
         "MHAPool": engine.pool,
-        "MLAPool": mla,
+        "MLAPool": fakes.MLAPool(N_PAGES, PS, LAYERS),
         "Allocator": engine.allocator,
-        "Allocator/page_size=1": fakes.Engine(page_size=1, n_pages=N_PAGES, layers=LAYERS).allocator,
+        "Allocator/page_size=1": ps1.allocator,
+        "TreeCache/RadixCache": engine.tree,
+        "TreeCache/UnifiedRadixCache": engine.tree,
     }
 
 
@@ -157,6 +164,9 @@ NAMES: dict[str, list[str]] = {
     "TreeCache/UnifiedRadixCache": ["free_kv_row", "unlock", "lock"],
 }
 
+_USED = "the pages handed out and not given back (the fake engine's leak check)"
+_RELEASED = "the rids whose lock was dropped, in order (the fake's own tests)"
+
 #: Public names only a fake has, and why each may exist (test-side bookkeeping that
 #: SGLang's object does not need and the drop-in never reads).
 FAKE_ONLY: dict[str, dict[str, str]] = {
@@ -166,6 +176,10 @@ FAKE_ONLY: dict[str, dict[str, str]] = {
         "tokens": "the tokens whose KV is written (a test helper)",
     },
     "MHAPool": {"tensors": "the buffers in the drop-in's order, for the tests' expected bytes"},
+    "Allocator": {"used": _USED},
+    "Allocator/page_size=1": {"used": _USED},
+    "TreeCache/RadixCache": {"released": _RELEASED},
+    "TreeCache/UnifiedRadixCache": {"released": _RELEASED},
     "MLAPool": {"tensors": "the buffers in the drop-in's order, for the tests' expected bytes"},
 }
 
@@ -174,57 +188,12 @@ REAL_TREES = {
     "TreeCache/UnifiedRadixCache": "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache",
 }
 
-#: The differences still in sglang_fakes.py. Each is tolerated only because the
-#: fake-based suite (kept for speed) was written to the fake's shape and the same tests
-#: run on SGLang's real classes (test_sglang.py's ``real`` parameter), which decide. A
-#: fixed one must be removed here (a stale entry fails the test): the list only shrinks.
+#: The differences still in sglang_fakes.py, each with why it stays. A fixed one must be
+#: removed here (a stale entry fails the test): the list only shrinks.
 KNOWN: dict[str, set[str]] = {
-    "Allocator": {
-        "alloc: the fake lacks it",
-        "alloc_page: only the fake has it",
-        "free: the fake lacks it",
-        "free_page: only the fake has it",
-        "free_pages: list[16 x int] on the fake, int64(16,) in SGLang",
-        "the calls raise AttributeError on the fake",
-        "used: only the fake has it",
-    },
-    "Allocator/page_size=1": {
-        "alloc: the fake lacks it",
-        "alloc_page: only the fake has it",
-        "free: the fake lacks it",
-        "free_page: only the fake has it",
-        "free_pages: list[16 x int] on the fake, int64(64,) in SGLang",
-        "the calls raise AttributeError on the fake",
-        "used: only the fake has it",
-    },
-    "KV": {
-        "after mark_kv_released: (-1, 8) on the fake, (None, 0) in SGLang",
-        "cache_protected_len: the fake lacks it",
-        "released: only the fake has it",
-        "req_pool_idx: int on the fake, NoneType in SGLang",
-    },
-    "MLAPool": {
-        "kv_buffer: list[2 x float32(68, 2, 4)] on the fake, list[2 x float32(68, 1, 8)] in SGLang",
-    },
-    "Req": {
-        "output_ids: list[0 x -] on the fake, array in SGLang",
-    },
-    "ReqToTokenPool": {
-        "alloc(req): SGLang's is alloc(reqs)",
-        "free_rows: a value on the fake, a method in SGLang",
-        "free_slots: the fake lacks it",
-        "frees: only the fake has it",
-        "req_to_token: int32(4, 64) on the fake, int32(5, 64) in SGLang",
-        "the calls raise AttributeError on the fake",
-    },
-    "TreeCache/RadixCache": {
-        "lock: the fake lacks it",
-        "unlock(req): SGLang's is unlock(lock)",
-    },
-    "TreeCache/UnifiedRadixCache": {
-        "lock: the fake lacks it",
-        "unlock(req): SGLang's is unlock(lock)",
-    },
+    # One fake TreeCache stands in for both of SGLang's tree caches, whose lock()
+    # signatures differ from each other; the drop-in never takes a lock (the engine does).
+    "TreeCache/UnifiedRadixCache": {"lock(node): SGLang's is lock(node_id, skip_lock_components=())"},
 }
 
 
@@ -256,22 +225,23 @@ def _behaviour(pair: str, objs: dict[str, Any], new_req: Any) -> dict[str, Any]:
 
 
 def _found() -> dict[str, set[str]]:
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    real, fake = _real_objects(), _fake_objects()
-    found = {name: differences(fake[name], real[name], NAMES[name], FAKE_ONLY.get(name, {})) for name in real}
-    for name in real:
-        want = _behaviour(name, real, lambda: Req("r", "", [1, 2], SamplingParams(max_new_tokens=4)))
-        got = _behaviour(name, fake, lambda: fakes.Req("r", [1, 2], max_new=4))
-        if "raises" in got:
-            found[name].add(f"the calls raise {got['raises']} on the fake")
-            continue
-        for call in sorted(set(got) | set(want)):
-            if got.get(call) != want.get(call):
-                found[name].add(f"{call}: {got.get(call)} on the fake, {want.get(call)} in SGLang")
-    for name, path in REAL_TREES.items():
-        found[name] = differences(fakes.TreeCache, _real(path), NAMES[name], FAKE_ONLY.get(name, {}))
+    """Every pair's differences (the real objects built fresh, in their published
+    runtime context, restored after)."""
+    with contextlib.ExitStack() as stack:
+        real, fake = _real_objects(stack), _fake_objects()
+        req_cls, params = type(real["Req"]), real["Req"].sampling_params
+        found = {
+            name: differences(fake[name], real[name], NAMES[name], FAKE_ONLY.get(name, {})) for name in real
+        }
+        for name in real:
+            want = _behaviour(name, real, lambda: req_cls("r", "", [1, 2], params))
+            got = _behaviour(name, fake, lambda: fakes.Req("r", [1, 2], max_new=4))
+            if "raises" in got:
+                found[name].add(f"the calls raise {got['raises']} on the fake")
+                continue
+            for call in sorted(set(got) | set(want)):
+                if got.get(call) != want.get(call):
+                    found[name].add(f"{call}: {got.get(call)} on the fake, {want.get(call)} in SGLang")
     return found
 
 
