@@ -28,7 +28,8 @@ import pytest
 import sglang_cpu
 import torch
 from sglang_engines import KINDS, FakeEngine, make
-from sglang_fakes import collect
+from sglang_fakes import Allocator, collect
+from sglang_fakes import ServerArgs as FakeServerArgs
 from support import HANG_S
 
 import kvoffload as kvo
@@ -93,6 +94,16 @@ def check_stored(
         assert page == engine.expected(getattr(req, "uid", 0), tokens, p), f"{req.rid}: page {p} bytes"
 
 
+def check_all_stored(
+    mgr: DecodeKVCacheOffloadManager, engine: Engine, storage: MemoryStorage, req: Req
+) -> None:
+    """Every whole page of ``req`` past its prompt's whole pages (those are the prefill
+    side's) is stored with the engine's bytes."""
+    ps = engine.page_size
+    n = len(req.origin_input_ids) + len(req.output_ids) - 1
+    check_stored(mgr, engine, storage, req, len(req.origin_input_ids) // ps, n // ps)
+
+
 def page_keys(engine: Engine, tokens: list[int], extra_key: str | None, cache_salt: str | None) -> list[str]:
     """The keys SGLang stores a request's pages under: :func:`ref_keys` from the
     namespace seed; on a real engine also SGLang's own chain (its manager's
@@ -139,12 +150,23 @@ def kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_engine(kind: str) -> Iterator[Callable[..., Engine]]:
+def page_size(request: pytest.FixtureRequest) -> int:
+    """The engine's page size: 4, or what a test parametrizes (``indirect``): 1 is
+    SGLang's ``TokenToKVPoolAllocator`` (a page is a slot), more its paged allocator."""
+    return int(getattr(request, "param", PS))
+
+
+#: Run a test with both of SGLang's allocators: the paged one and page size 1.
+both_allocators = pytest.mark.parametrize("page_size", [PS, 1], indirect=True, ids=["paged", "page_size=1"])
+
+
+@pytest.fixture
+def make_engine(kind: str, page_size: int) -> Iterator[Callable[..., Engine]]:
     """Engines of this run's kind (fake or real), as many as the test needs
     (``make_engine(mla=True, n_pages=64, ...)``); a real one's published runtime
     context is restored when the test ends."""
     with contextlib.ExitStack() as stack:
-        yield lambda **kw: make(stack, kind, **{"page_size": PS, **kw})
+        yield lambda **kw: make(stack, kind, **{"page_size": page_size, **kw})
 
 
 @pytest.fixture
@@ -166,6 +188,7 @@ def open_mgr(engine: Engine, backend: Any = None, **kw: Any) -> Opened:
 # --- the behaviours SGLang's tests pin down -----------------------------------------------
 
 
+@both_allocators
 def test_in_flight_is_tracked_until_the_ack(engine: Engine) -> None:
     sim = SimBackend()
     mgr, _ = open_mgr(engine, sim)
@@ -187,6 +210,7 @@ def test_in_flight_is_tracked_until_the_ack(engine: Engine) -> None:
     check_nothing_left_and_close(engine, mgr)
 
 
+@both_allocators
 def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None:
     sim = SimBackend()
     mgr, storage = open_mgr(engine, sim)
@@ -210,11 +234,11 @@ def test_release_waits_for_the_last_ack_and_happens_once(engine: Engine) -> None
     mgr.finalize_release_on_finish(req)
     mgr.check_offload_progress()
     assert engine.released == ["a"] and engine.releases(req) == 1
-    n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(mgr, engine, storage, req, 1, n // PS)
+    check_all_stored(mgr, engine, storage, req)
     check_nothing_left_and_close(engine, mgr)
 
 
+@both_allocators
 def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
     sim = SimBackend()
     mgr, storage = open_mgr(engine, sim)
@@ -240,11 +264,12 @@ def test_a_reused_rid_shares_nothing(engine: Engine) -> None:
     sim.complete_all()
     mgr.check_offload_progress()
     assert engine.released == ["same", "same"] and engine.releases(second) == 1
-    check_stored(mgr, engine, storage, first, 2, (8 + 8) // PS)
-    check_stored(mgr, engine, storage, second, 2, (8 + 29) // PS)
+    check_all_stored(mgr, engine, storage, first)
+    check_all_stored(mgr, engine, storage, second)
     check_nothing_left_and_close(engine, mgr)
 
 
+@both_allocators
 def test_a_req_dropped_without_finish_leaves_nothing(engine: Engine) -> None:
     """The engine drops a Req (frees its row and pages) without finishing it: the next
     check_offload_progress sees the row gone and ends its lifecycle; once the Req is
@@ -323,6 +348,7 @@ def test_drain_before_retraction_raises_when_a_copy_cannot_drain(engine: Engine)
     mgr.release_host_resources()
 
 
+@both_allocators
 def test_host_pool_full_then_retry(engine: Engine) -> None:
     """SGLang returns False and tries again at the next step; kvoffload returns False and
     defers the chunk until host pages return (on_host_full="wait"), then sends the same
@@ -333,7 +359,7 @@ def test_host_pool_full_then_retry(engine: Engine) -> None:
     engine.prefill(req)
     while len(sim.pending) < 1:
         engine.iteration()
-    for _ in range(PS):  # a second chunk is due: the host pool (1 page) is full
+    for _ in range(engine.page_size):  # a second chunk is due: the host pool (1 page) is full
         engine.iteration()
     stats = mgr.statistics()
     assert stats.chunks_deferred >= 1 and len(sim.pending) == 1
@@ -343,12 +369,12 @@ def test_host_pool_full_then_retry(engine: Engine) -> None:
     while sim.pending or mgr.ongoing_offload:
         sim.complete_all()
         mgr.check_offload_progress()
-    n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(mgr, engine, storage, req, 1, n // PS)
+    check_all_stored(mgr, engine, storage, req)
     assert mgr.statistics().pages_lost == 0
     check_nothing_left_and_close(engine, mgr)
 
 
+@both_allocators
 @pytest.mark.parametrize("same_row", [False, True], ids=["new-row", "same-row"])
 def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: bool) -> None:
     """Retracted (drain first), resumed on a new row - or the same row index with other
@@ -370,16 +396,21 @@ def test_resume_after_retraction_continues_the_chain(engine: Engine, same_row: b
     else:
         for _ in range(6):  # the other request runs on (it may reuse the freed pages)
             engine.iteration()
+        # SGLang's pool hands the row freed last out first (here a's, or b's once its
+        # release came): another free row is next, so a resumes on a new row.
+        engine.next_row(next(r for r in engine.req_to_token_pool.free_slots if r != row))
     engine.resume(req)  # new pages, the KV recomputed (fake) or restored (SGLang's backup)
     assert (req.kv.req_pool_idx == row) is same_row
     while engine.running:
         engine.iteration()
     settle(mgr)
-    n = len(req.origin_input_ids) + len(req.output_ids) - 1
-    check_stored(mgr, engine, storage, req, 1, n // PS)
+    check_all_stored(mgr, engine, storage, req)
     # Nothing stored before the retraction was copied again.
-    pages_of_req = n // PS - 1
-    other_pages = (len(other.origin_input_ids) + len(other.output_ids) - 1) // PS - 2
+    ps, n = engine.page_size, len(req.origin_input_ids) + len(req.output_ids) - 1
+    pages_of_req = n // ps - len(req.origin_input_ids) // ps
+    other_pages = (len(other.origin_input_ids) + len(other.output_ids) - 1) // ps - len(
+        other.origin_input_ids
+    ) // ps
     assert mgr.statistics().pages_submitted == pages_of_req + other_pages
     assert sent_before > 0
     assert engine.released == ["b", "a"]
@@ -588,8 +619,7 @@ def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_ca
     settle(mgr)
     assert sorted(engine.released) == sorted(r.rid for r in reqs)
     for r in reqs:
-        n = len(r.origin_input_ids) + len(r.output_ids) - 1
-        check_stored(mgr, engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
+        check_all_stored(mgr, engine, storage, r)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -631,6 +661,7 @@ def test_the_page_aligned_tail_is_flushed_at_finish(engine: Engine) -> None:
     check_nothing_left_and_close(engine, mgr)
 
 
+@both_allocators
 def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
     sim = SimBackend()
     mgr, storage = open_mgr(engine, sim)
@@ -645,8 +676,7 @@ def test_keys_stay_right_under_out_of_order_completions(engine: Engine) -> None:
         sim.complete(t)
     settle(mgr)
     for r in reqs:
-        n = len(r.origin_input_ids) + len(r.output_ids) - 1
-        check_stored(mgr, engine, storage, r, 1, n // PS)
+        check_all_stored(mgr, engine, storage, r)
     check_nothing_left_and_close(engine, mgr)
 
 
@@ -684,8 +714,9 @@ def test_prefix_pages_shared_by_two_requests_are_not_held() -> None:
     mgr.release_host_resources()
 
 
+@pytest.mark.parametrize("page_size", [PS, 1], ids=["paged", "page_size=1"])
 @pytest.mark.parametrize("tree", ["unified", "radix"])
-def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree: str) -> None:
+def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree: str, page_size: int) -> None:
     """SGLang's real decode radix cache (``--disaggregation-decode-enable-radix-cache``)
     matches two requests' prompt in the tree: both rows start with the tree's pages
     (``cache_protected_len`` = 8) and hold a lock on its node. kvoffload never reads
@@ -693,7 +724,7 @@ def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree:
     its lock (F28, F29): once the tree evicts, every slot is on the free list exactly
     once, and every page past the prompt is stored with the engine's bytes."""
     with contextlib.ExitStack() as stack:
-        engine = make(stack, f"real-{tree}", page_size=PS, decode_radix=True)
+        engine = make(stack, f"real-{tree}", page_size=page_size, decode_radix=True)
         mgr, storage = open_mgr(engine, "cpu")
         prompt = list(range(8))
         assert engine.real.seed_tree(prompt) == 8
@@ -707,8 +738,7 @@ def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree:
         assert sorted(engine.released) == ["a", "b"] and engine.releases(a) == engine.releases(b) == 1
         for r in (a, b):
             assert r.lock is None, f"{r.rid}: its tree lock was never dropped"
-            n = len(r.origin_input_ids) + len(r.output_ids) - 1
-            check_stored(mgr, engine, storage, r, 2, n // PS)
+            check_all_stored(mgr, engine, storage, r)
         check_nothing_left_and_close(engine, mgr)
         engine.real.evict()
         engine.real.check_free_list()
@@ -718,16 +748,10 @@ def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree:
 # --- construction: what is refused, and why ------------------------------------------------
 
 
-class _Alloc:
-    def __init__(self, pool: Any, page_size: int = PS) -> None:
-        self.page_size = page_size
-        self.pool = pool
-
-    def get_kvcache(self) -> Any:
-        return self.pool
-
-
 def _mha(rows: int = 8 * PS) -> Any:
+    """A stand-in for an MHA pool of ``rows`` token rows: SGLang's own always holds whole
+    pages (size + one padding page), so a partial page can only be built this way."""
+
     class MHATokenToKVPool:
         def __init__(self) -> None:
             self.k_buffer = [torch.zeros(rows, 2, 4)]
@@ -736,6 +760,11 @@ def _mha(rows: int = 8 * PS) -> Any:
     return MHATokenToKVPool()
 
 
+# Stand-ins for pools kvoffload refuses by name or by shape. SGLang's real SWA pool is
+# refused in the next test; its hybrid (linear attention / Mamba) pool needs a MambaPool
+# and model config this CPU build does not make. The allocator handed to the drop-in is
+# the fake one (sglang_fakes.Allocator, checked against SGLang's in
+# test_sglang_fake_shapes.py) around the stand-in pool.
 @pytest.mark.parametrize(
     ("make", "match"),
     [
@@ -748,7 +777,34 @@ def _mha(rows: int = 8 * PS) -> Any:
 )
 def test_unsupported_pools_are_refused_at_construction(engine: Engine, make: Any, match: str) -> None:
     with pytest.raises(kvo.UnsupportedKVPool, match=match):
-        DecodeKVCacheOffloadManager(engine.req_to_token_pool, _Alloc(make()), None, engine.tree_cache)
+        DecodeKVCacheOffloadManager(
+            engine.req_to_token_pool, Allocator(make(), 8, PS), None, engine.tree_cache
+        )
+
+
+@pytest.mark.parametrize("tree", ["unified", "radix"])
+def test_sglangs_swa_pool_is_refused_at_construction(tree: str) -> None:
+    """SGLang's real ``SWAKVPool`` (a full-attention and a sliding-window MHA pool, on
+    the CPU) behind SGLang's real paged allocator: refused by name, nothing opened."""
+    with contextlib.ExitStack() as stack:
+        engine = make(stack, f"real-{tree}", page_size=PS)
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        pool = SWAKVPool(
+            size=16 * PS,
+            size_swa=16 * PS,
+            page_size=PS,
+            dtype=torch.float16,
+            head_num=2,
+            head_dim=4,
+            swa_attention_layer_ids=[0],
+            full_attention_layer_ids=[1],
+            device="cpu",
+        )
+        alloc = PagedTokenToKVPoolAllocator(16 * PS, PS, torch.float16, "cpu", pool, False)
+        with pytest.raises(kvo.UnsupportedKVPool, match="sliding-window"):
+            DecodeKVCacheOffloadManager(engine.req_to_token_pool, alloc, None, engine.tree_cache)
 
 
 def test_a_pool_with_extra_per_token_state_is_refused() -> None:
@@ -769,6 +825,7 @@ def test_an_npu_pool_is_refused() -> None:
         engine_kv_tensors(AscendTokenToKVPool(), PS)
 
 
+@both_allocators
 def test_mla_pools_are_offloaded(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(mla=True)
     mgr, storage = open_mgr(engine, "cpu")
@@ -776,7 +833,7 @@ def test_mla_pools_are_offloaded(make_engine: Callable[..., Engine]) -> None:
     req = engine.new_req("a", list(range(6)), max_new=15)
     engine.run([req])
     settle(mgr)
-    check_stored(mgr, engine, storage, req, 1, (6 + 14) // PS)
+    check_all_stored(mgr, engine, storage, req)
     mgr.release_host_resources()
 
 
@@ -786,11 +843,6 @@ def test_server_args_size_the_host_pool_and_pick_the_store(
     """``server_args`` handed to the drop-in (on the real engine: SGLang's own
     ``ServerArgs``) size the host pool (``hicache_ratio`` of the device pool) and pick
     the store (``hicache_storage_backend``); the stride comes from SGLang's env var."""
-
-    class FakeServerArgs:  # the fields the drop-in reads, as SGLang's ServerArgs has them
-        hicache_ratio = 0.5
-        hicache_size = 0
-        hicache_storage_backend = "file"
 
     class Redisless(FakeServerArgs):
         hicache_storage_backend = "mooncake"
@@ -824,6 +876,7 @@ def test_importing_the_integration_imports_no_sglang() -> None:
     assert out.returncode == 0, out.stderr
 
 
+@both_allocators
 def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> None:
     """Many requests, real copy threads (cpu backend), a file-less memory store: every
     page stored with the engine's bytes, every row and page returned, each request
@@ -839,8 +892,7 @@ def test_a_full_run_from_a_plain_loop_releases_everything(engine: Engine) -> Non
     assert sorted(engine.released) == sorted(r.rid for r in reqs)
     for r in reqs:
         assert engine.releases(r) == 1
-        n = len(r.origin_input_ids) + len(r.output_ids) - 1
-        check_stored(mgr, engine, storage, r, len(r.origin_input_ids) // PS, n // PS)
+        check_all_stored(mgr, engine, storage, r)
     check_nothing_left_and_close(engine, mgr)
 
 

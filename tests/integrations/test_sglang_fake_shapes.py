@@ -132,6 +132,8 @@ def _real_objects(stack: contextlib.ExitStack) -> dict[str, Any]:
         "Allocator/page_size=1": eng(page_size=1).allocator,
         "TreeCache/RadixCache": eng(page_size=PS, tree="radix").tree_cache,
         "TreeCache/UnifiedRadixCache": mha.tree_cache,
+        # SGLang's own, with the values the fake holds (the types compared are the fields')
+        "ServerArgs": sr.server_args(hicache_ratio=0.5, hicache_size=0, hicache_storage_backend="file"),
     }
 
 
@@ -148,6 +150,7 @@ def _fake_objects() -> dict[str, Any]:
         "Allocator/page_size=1": ps1.allocator,
         "TreeCache/RadixCache": engine.tree,
         "TreeCache/UnifiedRadixCache": engine.tree,
+        "ServerArgs": fakes.ServerArgs(),
     }
 
 
@@ -162,6 +165,7 @@ NAMES: dict[str, list[str]] = {
     "Allocator/page_size=1": ["page_size", "get_kvcache", "alloc", "free", "free_pages"],
     "TreeCache/RadixCache": ["free_kv_row", "unlock", "lock"],
     "TreeCache/UnifiedRadixCache": ["free_kv_row", "unlock", "lock"],
+    "ServerArgs": ["hicache_ratio", "hicache_size", "hicache_storage_backend"],
 }
 
 _USED = "the pages handed out and not given back (the fake engine's leak check)"
