@@ -312,18 +312,11 @@ class RealEngine(_Releases):
         return bytes(self.real.expected_kv_bytes(tokens, page * ps, (page + 1) * ps))
 
     def sglang_keys(self, tokens: list[int], extra_key: str | None, cache_salt: str | None) -> list[str]:
-        """SGLang's own storage keys of the whole pages of ``tokens``, as its decode
-        offload manager computes them (``_compute_prefix_hash``): the chain from
-        ``storage_namespace_seed(extra_key, cache_salt)``, then
-        ``HiCacheController.get_hash_str`` (``mem_cache.utils.get_hash_str``) per page."""
-        from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+        """SGLang's own storage keys of the whole pages of ``tokens``
+        (sglang_real.page_keys: its manager's ``_compute_prefix_hash``)."""
+        import sglang_real as sr
 
-        ps, keys = self.page_size, []
-        last = storage_namespace_seed(extra_key, cache_salt)
-        for p in range(len(tokens) // ps):
-            last = get_hash_str(list(tokens[p * ps : (p + 1) * ps]), last)
-            keys.append(last)
-        return keys
+        return sr.page_keys(tokens, self.page_size, extra_key=extra_key, cache_salt=cache_salt)
 
 
 def make(stack: contextlib.ExitStack, kind: str, *, page_size: int = 4, mla: bool = False, **kw: Any) -> Any:

@@ -842,26 +842,32 @@ def test_server_args_size_the_host_pool_and_pick_the_store(
 ) -> None:
     """``server_args`` handed to the drop-in (on the real engine: SGLang's own
     ``ServerArgs``) size the host pool (``hicache_ratio`` of the device pool) and pick
-    the store (``hicache_storage_backend``); the stride comes from SGLang's env var."""
+    the store (``hicache_storage_backend``); the stride comes from SGLang's env var. On
+    the real engine, the same settings only published (SGLang's scheduler builds its
+    manager with no ``server_args``) give the same manager."""
 
     class Redisless(FakeServerArgs):
         hicache_storage_backend = "mooncake"
 
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path))
     monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", str(3 * PS + 1))
-    engine = make_engine(n_pages=64)
+    fields = {"hicache_ratio": 0.5, "hicache_size": 0, "hicache_storage_backend": "file"}
+    engine = make_engine(n_pages=64, **({} if kind == "fake" else fields))
+    managers = [lambda: engine.manager(server_args=args)]
     if kind == "fake":
         args, other = FakeServerArgs(), Redisless()
     else:
         import sglang_real as sr
 
-        args = sr.server_args(hicache_ratio=0.5, hicache_size=0, hicache_storage_backend="file")
-        other = sr.server_args(hicache_ratio=0.5, hicache_size=0, hicache_storage_backend="mooncake")
-    mgr = engine.manager(server_args=args)
-    assert mgr.manager.config.host_pages == int(65 * 0.5)
-    assert mgr.offload_stride == 3 * PS  # rounded down to whole pages, as SGLang does
-    assert str(mgr.manager.storage.root) == str(tmp_path)  # type: ignore[union-attr]
-    mgr.release_host_resources()
+        args = sr.server_args(**fields)
+        other = sr.server_args(**{**fields, "hicache_storage_backend": "mooncake"})
+        managers.append(lambda: engine.manager())  # the published runtime context only
+    for build in managers:
+        mgr = build()
+        assert mgr.manager.config.host_pages == int(64 * 0.5)  # the device pool's pages, padding aside
+        assert mgr.offload_stride == 3 * PS  # rounded down to whole pages, as SGLang does
+        assert str(mgr.manager.storage.root) == str(tmp_path)  # type: ignore[union-attr]
+        mgr.release_host_resources()
     with pytest.raises(kvo.ConfigError, match="mooncake"):
         engine.manager(server_args=other)
 
