@@ -714,15 +714,21 @@ def test_prefix_pages_shared_by_two_requests_are_not_held() -> None:
     mgr.release_host_resources()
 
 
+@pytest.mark.parametrize("taken_back", ["", "retract", "preempt"], ids=["run", "retracted", "preempted"])
 @pytest.mark.parametrize("page_size", [PS, 1], ids=["paged", "page_size=1"])
 @pytest.mark.parametrize("tree", ["unified", "radix"])
-def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree: str, page_size: int) -> None:
+def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(
+    tree: str, page_size: int, taken_back: str
+) -> None:
     """SGLang's real decode radix cache (``--disaggregation-decode-enable-radix-cache``)
     matches two requests' prompt in the tree: both rows start with the tree's pages
     (``cache_protected_len`` = 8) and hold a lock on its node. kvoffload never reads
     nor holds those pages; each request's release frees only its own slots and drops
     its lock (F28, F29): once the tree evicts, every slot is on the free list exactly
-    once, and every page past the prompt is stored with the engine's bytes."""
+    once, and every page past the prompt is stored with the engine's bytes. Also when
+    request a is taken back mid-decode (SGLang's ``release_req``: its own slots freed,
+    the lock dropped; drained first, or not: a priority preemption) and resumed on
+    slots of its own (no prefix: ``restore_kv_cache``)."""
     with contextlib.ExitStack() as stack:
         engine = make(stack, f"real-{tree}", page_size=page_size, decode_radix=True)
         mgr, storage = open_mgr(engine, "cpu")
@@ -733,6 +739,13 @@ def test_prefix_pages_matched_in_sglangs_radix_tree_are_not_held_nor_freed(tree:
         for r in (a, b):
             engine.prefill(r)
             assert r.kv.cache_protected_len == 8 and r.lock is not None, "no prefix matched"
+        if taken_back:
+            for _ in range(5):
+                engine.iteration()
+            getattr(engine, taken_back)(a)
+            mgr.check_offload_progress()  # SGLang's next iteration: progress, then the resume
+            engine.resume(a)
+            assert a.kv.cache_protected_len == 0
         engine.run([])
         settle(mgr)
         assert sorted(engine.released) == ["a", "b"] and engine.releases(a) == engine.releases(b) == 1
