@@ -64,9 +64,17 @@ class OffloadConfig:
     on_host_full: Literal["drop", "wait"] = "drop"
     """When the host pool has no room for a chunk: ``"drop"`` counts a drop and retries
     one stride later; ``"wait"`` defers the chunk until host pages return, for at most
-    ``host_wait_s`` seconds, then counts a drop. Neither ever blocks the caller."""
-    host_wait_s: float = 1.0
-    """Bound of the ``"wait"`` policy, in seconds of the manager's clock."""
+    ``host_wait_s`` seconds (and ``host_wait_polls`` polls, when set), then counts a
+    drop. Neither ever blocks the caller."""
+    host_wait_s: float | None = 1.0
+    """Bound of the ``"wait"`` policy, in seconds of the manager's clock; ``None``: no
+    bound in time (the chunk waits until host pages return, the manager closes, or
+    ``host_wait_polls`` runs out)."""
+    host_wait_polls: int | None = None
+    """Bound of the ``"wait"`` policy in scheduler steps: a chunk that waited through
+    more than this many ``SyncOffloadManager.poll()`` calls is dropped (``None``: no
+    bound in steps). The same on every TP rank (every rank makes the same calls),
+    whatever the wall clock does. The asyncio manager has no ``poll()`` and refuses it."""
     drain_timeout_s: float | None = 30.0
     """Leaving the manager waits at most this long for in-flight copies (``None``: for ever)."""
     stuck_after_s: float | None = None
@@ -136,10 +144,16 @@ class OffloadConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.on_host_full not in ("drop", "wait"):
             raise ConfigError(f"on_host_full must be 'drop' or 'wait', got {self.on_host_full!r}")
-        for name in ("host_wait_s", "watchdog_interval_s"):
-            v = getattr(self, name)
-            if not _number(v) or not math.isfinite(v) or v < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.host_wait_s is not None and (
+            not _number(self.host_wait_s) or not math.isfinite(self.host_wait_s) or self.host_wait_s < 0
+        ):
+            raise ConfigError(f"host_wait_s must be a finite number >= 0 or None, got {self.host_wait_s!r}")
+        hwp = self.host_wait_polls
+        if hwp is not None and (type(hwp) is not int or hwp < 0):
+            raise ConfigError(f"host_wait_polls must be None or an int >= 0, got {hwp!r}")
+        v = self.watchdog_interval_s
+        if not _number(v) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"watchdog_interval_s must be a finite number >= 0, got {v!r}")
         if self.watchdog_interval_s < MIN_WATCHDOG_INTERVAL_S:
             raise ConfigError(  # a shorter one makes an idle manager's watchdog spin
                 f"watchdog_interval_s must be >= {MIN_WATCHDOG_INTERVAL_S} (1 ms), "

@@ -33,6 +33,8 @@ GOOD: dict[str, Any] = dict(page_size=4, stride=8, device_pages=16, host_pages=1
         ({"offload_prompt": "no"}, "offload_prompt must be True or False, got 'no'"),
         ({"offload_prompt": 1}, "offload_prompt must be True or False"),
         ({"host_wait_s": True}, "host_wait_s must be a finite number"),
+        ({"host_wait_polls": -1}, "host_wait_polls must be None or an int >= 0"),
+        ({"host_wait_polls": 2.0}, "host_wait_polls must be None or an int >= 0"),
         ({"drain_timeout_s": False}, "drain_timeout_s must be None or a number"),
         ({"namespace": ""}, "namespace must be a non-empty str or None"),
         ({"namespace": b"lora"}, "namespace must be a non-empty str or None"),
@@ -78,3 +80,16 @@ def test_page_bytes_and_namespace_are_kept() -> None:
     cfg = kvo.OffloadConfig(**GOOD, kv_shape=(3, 5), dtype="bfloat16", namespace="lora-a")
     assert cfg.page_bytes == 4 * 15 * 2
     assert cfg.namespace == "lora-a"
+
+
+def test_the_asyncio_manager_refuses_a_wait_bounded_in_polls() -> None:
+    """``host_wait_polls`` counts ``SyncOffloadManager.poll()`` calls; the asyncio manager
+    has none: refused by name at construction."""
+    from kvoffload.testing import SimBackend
+
+    cfg = kvo.OffloadConfig(
+        page_size=4, stride=4, device_pages=8, host_pages=8, on_host_full="wait", host_wait_polls=3
+    )
+    with pytest.raises(kvo.ConfigError, match="host_wait_polls is 3"):
+        kvo.OffloadManager(cfg, backend=SimBackend())
+    kvo.SyncOffloadManager(cfg, backend=SimBackend())  # the sync manager counts its polls

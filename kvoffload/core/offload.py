@@ -219,6 +219,9 @@ class OffloadCore:
         # deferred: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
         self.deferred: deque[Lifecycle] = deque()
+        # polls: SyncOffloadManager.poll() calls so far (scheduler steps; the same on every
+        # TP rank): the clock of host_wait_polls. Only the sync driver counts it.
+        self.polls = 0
         # writes: copied chunks handed to the writer (or about to be: _write_out) whose
         # storage write has not finished (host pages held), in the order handed over.
         # Invariant: sum(len(j.host_pages) for j in self.writes.values())
@@ -925,6 +928,7 @@ class OffloadCore:
         if self.config.on_host_full == "wait" and not self.closing:
             if lc._deferred_since is None:
                 lc._deferred_since = self.clock()
+                lc._deferred_poll = self.polls
                 self.deferred.append(lc)
                 c.chunks_deferred += 1
                 if self.observed:
@@ -991,9 +995,14 @@ class OffloadCore:
             final = lc._s == _FINISHING
             wanted = pending - pending % (cfg.page_size if final else cfg.stride)
             n = min(wanted, cfg.host_pages * cfg.page_size)
-            if self.closing or now - since > cfg.host_wait_s:
+            if (
+                self.closing
+                or (cfg.host_wait_s is not None and now - since > cfg.host_wait_s)
+                or (cfg.host_wait_polls is not None and self.polls - lc._deferred_poll > cfg.host_wait_polls)
+            ):
                 q.popleft()
                 lc._deferred_since = None
+                self.counters.chunks_expired += 1
                 self._drop(lc, wanted // cfg.page_size)  # every page not sent, as _submit counts
                 self._notify_quiet(lc)
                 self._fire(lc, _DROPPED)
@@ -1354,6 +1363,14 @@ class OffloadCore:
     def pump(self) -> list[Lifecycle]:
         """Retry deferred chunks now (host pages may have come back); drop the expired.
         Returns what an expired deferral released."""
+        if self.deferred:
+            self._pump_deferred()
+        return self._take_released()
+
+    def expire_waits(self) -> list[Lifecycle]:
+        """A poll passed (``polls`` was counted): deferred chunks that waited past
+        ``host_wait_polls`` are dropped (and the others retried). Returns what that
+        released."""
         if self.deferred:
             self._pump_deferred()
         return self._take_released()

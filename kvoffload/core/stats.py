@@ -27,6 +27,7 @@ class Counters:
     chunks_deferred: int = 0
     chunks_discarded: int = 0
     chunks_dropped: int = 0
+    chunks_expired: int = 0
     chunks_failed: int = 0
     chunks_inflight: int = 0
     chunks_refused: int = 0
@@ -96,6 +97,10 @@ class Statistics:
     """Chunks never submitted because the host pool was full (retried a stride later)."""
     chunks_deferred: int
     """Chunks that had to wait for host pages (``on_host_full="wait"``)."""
+    chunks_expired: int
+    """Deferred chunks whose wait for host pages ran out (``host_wait_s``,
+    ``host_wait_polls``, or the manager closing): dropped, each also counted in
+    ``chunks_dropped``; what a finished request never sent is in ``pages_lost``."""
     chunks_refused: int
     """Chunks the copy backend refused outside a caller's call (a deferred chunk's retry,
     a tail flushed after the first of its chunks): dropped, counted, retried a stride

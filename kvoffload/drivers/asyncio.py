@@ -75,6 +75,11 @@ class OffloadManager(DriverBase):
                 "kvo.SyncOffloadManager(config, ..., group=<the TP process group>), whose poll() agrees "
                 "with the other ranks"
             )
+        if config.host_wait_polls is not None:
+            raise ConfigError(
+                f"config.host_wait_polls is {config.host_wait_polls}, but the asyncio OffloadManager "
+                "has no poll() to count: bound the wait with host_wait_s, or use kvo.SyncOffloadManager"
+            )
         tp = getattr(config, "tp_size", None)
         if tp is not None and tp > 1:
             raise ConfigError(
@@ -395,7 +400,7 @@ class OffloadManager(DriverBase):
     async def _tick_loop(self) -> None:
         cfg = self.config
         interval = cfg.watchdog_interval_s
-        if cfg.on_host_full == "wait":
+        if cfg.on_host_full == "wait" and cfg.host_wait_s is not None:
             interval = min(interval, max(cfg.host_wait_s / 4, 0.001))
         if self.backend.needs_polling:
             interval = min(interval, 1e-3)

@@ -175,6 +175,7 @@ SHARED_SETTINGS = (
     "offload_prompt",
     "on_host_full",
     "host_wait_s",
+    "host_wait_polls",
     "stuck_after_s",
     "watchdog_interval_s",
     "namespace",

@@ -107,7 +107,7 @@ class SyncOffloadManager(DriverBase):
         self._tick_every: float | None = None
         if cfg.stuck_after_s is not None or cfg.on_host_full == "wait":
             interval = cfg.watchdog_interval_s
-            if cfg.on_host_full == "wait":
+            if cfg.on_host_full == "wait" and cfg.host_wait_s is not None:
                 interval = min(interval, max(cfg.host_wait_s / 4, 0.001))
             self._tick_every = interval
         self._next_tick = 0.0
@@ -339,6 +339,10 @@ class SyncOffloadManager(DriverBase):
             released += core.write_done(job.id, stored, attempts=attempts, error=error)
         if writer is not None:
             self._start_writes(writer)
+        if kind == POLL:  # one scheduler step (the same count on every rank)
+            core.polls += 1
+            if core.deferred and core.config.host_wait_polls is not None:
+                released += core.expire_waits()
         if self._tick_every is not None:
             now = self.clock()  # under a group the agreed clock: the same call on every rank
             if now >= self._next_tick:

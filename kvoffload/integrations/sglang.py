@@ -261,19 +261,25 @@ class DecodeKVCacheOffloadManager:
     (:func:`published_settings`: where SGLang's own manager reads it). Keyword-only
     extras: ``host_pages`` (default from ``hicache_size`` in GB, else
     ``hicache_ratio`` (2.0) times the device pool, as SGLang sizes its host pool),
-    ``stride`` (default
-    ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page), ``storage`` (default from
-    ``server_args.hicache_storage_backend``: ``"file"`` is a kvoffload file store under
+    ``stride`` (default ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, else one page),
+    ``storage`` (default from ``hicache_storage_backend``: ``"file"`` is a file store under
     ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or /tmp/hicache; ``None`` none; anything
     kvoffload's ``storage=`` takes), ``backend`` (default by the KV's device),
     ``on_host_full`` (``"wait"``: a chunk that finds the host pool full goes out when
     host pages return, as SGLang retries at the next step; ``"drop"``: counted and
-    retried a stride later, lost at finish), ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
+    retried a stride later, lost at finish), ``host_wait_steps`` (``None``: the wait is
+    unbounded; an int: a chunk that waited through more scheduler steps
+    (``check_offload_progress`` calls) is dropped - never a bound in wall time, so TP
+    ranks and slow steps see the same; what a finished request lost is logged with its
+    rid and counted in ``statistics().pages_lost`` and ``chunks_expired``),
+    ``drain_timeout_s`` (30 s: what ``drain_before_retraction`` and
     ``release_host_resources`` wait at most), ``release`` (SGLang's release path,
     ``release(req)``; the default is :meth:`release_request_kv`).
 
     Raises :class:`~kvoffload.UnsupportedKVPool` at construction for a pool it cannot
-    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`).
+    offload (sliding-window, hybrid, NPU; see :func:`engine_kv_tensors`), and
+    :class:`~kvoffload.ConfigError` for settings it cannot follow (SGLang's page size
+    other than the allocator's, an extra storage config that is not JSON).
     """
 
     def __init__(
@@ -289,6 +295,7 @@ class DecodeKVCacheOffloadManager:
         storage: Any = "server_args",
         backend: Any = None,
         on_host_full: str = "wait",
+        host_wait_steps: int | None = None,
         drain_timeout_s: float | None = 30.0,
         release: Callable[[Any], object] | None = None,
     ) -> None:
@@ -322,6 +329,11 @@ class DecodeKVCacheOffloadManager:
             device_pages=None,
             host_pages=host_pages,
             on_host_full=on_host_full,  # type: ignore[arg-type]  # OffloadConfig checks it
+            # The host-full wait is counted in scheduler steps (check_offload_progress
+            # calls), never in wall time: unbounded by default (a chunk waits until host
+            # pages return; they return when copies and storage writes end).
+            host_wait_s=None,
+            host_wait_polls=host_wait_steps,
             drain_timeout_s=drain_timeout_s,
             # Under TP each rank holds its own heads' KV (keys suffixed per rank, as
             # SGLang's HiCacheFile does for MHA); MLA's latent KV is the same on every rank.
@@ -719,6 +731,14 @@ class DecodeKVCacheOffloadManager:
             if e.finishing is None:
                 e.req = None
         if e.finishing is lc:
+            if lc.pages_lost:  # the request's KV was not all offloaded: say which request
+                logger.warning(
+                    "sglang.offload_incomplete",
+                    rid=lc.rid,
+                    lifecycle=int(lc.id),
+                    pages_lost=lc.pages_lost,
+                    hint="the host pool stayed full (host_wait_steps), or a copy or storage write failed",
+                )
             self._release(e.req, e)
 
     def _release(self, req: Any, e: _Entry | None) -> None:

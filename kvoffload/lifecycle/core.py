@@ -96,6 +96,7 @@ class Lifecycle:
         "_chain",
         "_committed",
         "_core",
+        "_deferred_poll",
         "_deferred_since",
         "_failed",
         "_from",
@@ -153,6 +154,8 @@ class Lifecycle:
     # inflight: chunks submitted and not yet delivered.
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
     # _deferred_since: clock time a chunk started waiting for host pages, else None.
+    # _deferred_poll: the core's poll count when that wait began (read only while
+    #   _deferred_since is not None: the wait's bound in polls, host_wait_polls).
     # outcome: None until RELEASED, then how it ended.
     # pages_lost: whole pages this request should have offloaded and did not (F33, F9):
     #   0 while live; set at RELEASED (never for an aborted one), raised later by a
@@ -190,6 +193,7 @@ class Lifecycle:
         self._cap = 0
         self.inflight = 0
         self._deferred_since: float | None = None
+        self._deferred_poll = 0
         self._failed = False
         self._aborted = False
         self.outcome: Outcome | None = None

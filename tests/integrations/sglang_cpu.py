@@ -82,7 +82,7 @@ def available() -> tuple[bool, str]:
         return False, f"sglang {version} is installed; these tests target {SGLANG_VERSION}"
     install()
     try:
-        import sglang.srt.managers.schedule_batch  # noqa: F401
+        import sglang.srt.managers.schedule_batch
         import sglang.srt.mem_cache.memory_pool  # noqa: F401
     except Exception as exc:  # an import chain that does not run here: the reason
         return False, f"sglang {version} does not import here: {type(exc).__name__}: {exc}"

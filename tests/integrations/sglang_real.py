@@ -50,7 +50,9 @@ The API (all of it):
   ``seed_tree`` / ``evict`` (the radix tree's own pages), ``manager`` (kvoffload's
   drop-in built from these objects), ``free_slots`` / ``free_count`` /
   ``check_free_list`` (the allocator's free list: leaks and double frees),
-  ``write_kv`` / ``kv_bytes`` / ``expected_kv_bytes`` (known KV bytes in the pool).
+  ``tree_slots`` (slots the tree holds), ``write_kv`` / ``kv_bytes`` /
+  ``expected_kv_bytes`` (known KV bytes in the pool), ``tokens`` / ``row_slots`` (a
+  request's tokens with KV written, the slots its row names).
 - :func:`kv_value` - the KV the harness's "forward" writes for one token.
 """
 
@@ -645,7 +647,13 @@ def engine(
 
 
 def tp_rank_run(
-    ctx: Any, seed: int, root: str, drop_in_a_cycle: bool = False, kv: str = "mha"
+    ctx: Any,
+    seed: int,
+    root: str,
+    drop_in_a_cycle: bool = False,
+    kv: str = "mha",
+    host_pages: int = 64,
+    host_wait_steps: int | None = None,
 ) -> dict[str, Any]:
     """One TP rank of a replicated SGLang decode scheduler on SGLang's real objects: the
     same requests and calls on every rank (``ctx.group`` is the TP group), each rank's
@@ -657,7 +665,8 @@ def tp_rank_run(
     ``drop_in_a_cycle``: at iteration 6 the engine drops a running request mid-decode
     (its row kept), caught in a reference cycle; rank 0's collector runs at once, the
     others' never (F31); at iteration 12 the engine frees the row (SGLang's
-    ``free_kv_row`` and ``free_rows``)."""
+    ``free_kv_row`` and ``free_rows``). ``host_pages`` / ``host_wait_steps``: the
+    drop-in's host pool and its host-full wait bound (in scheduler steps)."""
     import gc
     import random
 
@@ -669,7 +678,12 @@ def tp_rank_run(
         eng.shard = ctx.rank if kv == "mha" else 0
         sim = SimBackend()
         mgr = eng.manager(
-            tp_group=ctx.group, storage=FileStorage(root), backend=sim, host_pages=64, drain_timeout_s=20.0
+            tp_group=ctx.group,
+            storage=FileStorage(root),
+            backend=sim,
+            host_pages=host_pages,
+            host_wait_steps=host_wait_steps,
+            drain_timeout_s=20.0,
         )
         reqs = [eng.new_req(f"r{i % 3}", [i * 10 + j for j in range(3 + i)], 9 + 2 * i) for i in range(6)]
         names = [f"{r.rid}#{i}" for i, r in enumerate(reqs)]  # rids are reused: the name is the request
@@ -706,7 +720,16 @@ def tp_rank_run(
                 running = [r for r in running if not r.finished()]
                 s = mgr.statistics()
                 counts.append(
-                    (it, s.live_lifecycles, s.released_aborted, s.chunks_discarded, s.device_pages_used)
+                    (
+                        it,
+                        s.live_lifecycles,
+                        s.released_aborted,
+                        s.chunks_discarded,
+                        s.device_pages_used,
+                        s.chunks_deferred,
+                        s.chunks_expired,
+                        s.pages_lost,
+                    )
                 )
                 # This rank's copy engine: a random subset of its copies, in a random order.
                 pending = list(sim.pending)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 import sglang_cpu
@@ -349,3 +350,155 @@ def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_ca
         eng.check_free_list()
         assert eng.free_count() == eng.capacity
         mgr.release_host_resources()
+
+
+# --- the host-full wait: in scheduler steps, never in wall time ------------------------------
+
+
+class Hours:
+    """A manager clock the test moves: an hour passes at every scheduler step."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()  # where the manager's own clock is: its timers are due
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hours_pass(mgr: Any) -> Hours:
+    """Put a clock the test moves under the drop-in's manager (driver and core)."""
+    clock = Hours()
+    mgr.manager.clock = clock
+    mgr.manager.core.clock = clock
+    return clock
+
+
+def test_a_full_host_pool_holds_the_tail_however_long_the_wall_clock_says() -> None:
+    """The host pool (one page) stays full for many steps and hours of the manager's
+    clock while the request finishes: its chunks and its tail wait (nothing expires in
+    wall time, nothing is lost: ``pages_lost`` and ``chunks_expired`` stay 0), go out
+    when host pages return, and the release comes after the last copy, every page
+    stored with the engine's bytes."""
+    with sr.engine(page_size=4) as eng:
+        sim = SimBackend()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage, host_pages=1)
+        clock = hours_pass(mgr)
+        req = eng.new_req("a", list(range(4)), max_new_tokens=14)
+        eng.admit(req)
+        for _ in range(40):  # no copy completes: the first chunk holds the only host page
+            clock.now += 3600.0
+            eng.step(mgr, [req])
+        assert req.finished() and not released(req)
+        assert mgr.statistics().chunks_deferred >= 1
+        while mgr.ongoing_offload or sim.pending:
+            clock.now += 3600.0
+            sim.complete_all()
+            mgr.check_offload_progress()
+        assert released(req)
+        check_stored(eng, mgr, storage, req, 1, (4 + 13) // 4)
+        stats = mgr.statistics()
+        assert stats.pages_lost == 0 and stats.chunks_expired == 0, stats
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
+
+
+def test_host_wait_steps_bounds_the_wait_in_scheduler_steps_and_shows_the_loss() -> None:
+    """``host_wait_steps=3``: a chunk that waited through more than 3 scheduler steps
+    for host pages is dropped, whatever the clock (none expires in fewer steps, however
+    many hours pass); the finished request is then released with the loss visible: its
+    lifecycle's ``pages_lost``, ``statistics().chunks_expired`` and ``pages_lost``."""
+    with sr.engine(page_size=4) as eng:
+        sim = SimBackend()
+        mgr = open_mgr(eng, sim, host_pages=1, host_wait_steps=3)
+        clock = hours_pass(mgr)
+        req = eng.new_req("a", list(range(4)), max_new_tokens=16)
+        eng.admit(req)
+        for _ in range(12):  # 4 tokens a chunk: the second chunk is deferred and waits
+            clock.now += 3600.0
+            eng.step(mgr, [req])
+            if mgr.statistics().chunks_deferred:
+                break
+        assert mgr.statistics().chunks_deferred == 1
+        lc = next(iter(mgr.manager.core.live.values()))
+        for _ in range(3):  # three steps and days of the clock: still waiting
+            clock.now += 86_400.0
+            mgr.check_offload_progress()
+        assert mgr.statistics().chunks_expired == 0 and lc.deferred
+        mgr.check_offload_progress()  # the fourth step: the wait ran out
+        assert mgr.statistics().chunks_expired == 1 and not lc.deferred
+        while not req.finished():
+            eng.step(mgr, [req])
+        while mgr.ongoing_offload or sim.pending:
+            sim.complete_all()
+            mgr.check_offload_progress()
+        assert released(req)
+        assert lc.pages_lost >= 1 and mgr.statistics().pages_lost == lc.pages_lost
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_f29_a_request_with_a_matched_prefix_retracted_and_resumed_frees_only_its_own(tree: str) -> None:
+    """F29 across a retraction: a request whose prompt prefix was matched from the tree
+    is retracted (``drain_before_retraction()``, then SGLang's ``release_req``: it
+    unlocks the tree and frees only ``[cache_protected_len, ...)``), resumed on fresh
+    slots (SGLang re-matches nothing on resume), decodes to the end and is released by
+    kvoffload: the tree's pages are never freed by anyone but the tree, and after it
+    evicts every slot is on the free list exactly once."""
+    with sr.engine(page_size=4, tree=tree, decode_radix=True) as eng:
+        sim = SimBackend()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage)
+        prompt = list(range(13))
+        seeded = eng.seed_tree(prompt)
+        req = eng.new_req("a", prompt, max_new_tokens=25)
+        assert eng.admit(req) == seeded == 12
+        for _ in range(9):
+            eng.step(mgr, [req])
+            sim.complete_all()
+        mgr.check_offload_progress()
+        mgr.drain_before_retraction()
+        assert eng.retract(req) and req.lock is None
+        assert eng.tree_slots() == seeded and eng.tree_cache.protected_size() == 0
+        eng.resume(req)
+        run_to_end(eng, mgr, sim, [req])
+        assert released(req)
+        n = len(req.origin_input_ids) + len(req.output_ids) - 1
+        check_stored(eng, mgr, storage, req, len(prompt) // 4, n // 4)
+        assert eng.capacity - eng.free_count() == seeded
+        assert eng.evict() == seeded
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
+
+
+def test_an_extra_storage_config_that_is_not_json_is_refused() -> None:
+    """``--hicache-storage-backend-extra-config`` must be JSON (SGLang's manager raises
+    on it too): refused by name at construction, nothing opened."""
+    refused = pytest.raises(kvo.ConfigError, match="hicache_storage_backend_extra_config is not JSON")
+    with sr.engine(page_size=4, hicache_storage_backend_extra_config="{not json") as eng, refused:
+        eng.manager(backend=SimBackend(), storage=None)
+
+
+def test_a_wait_bounded_in_steps_expires_in_the_same_step_on_every_tp_rank(tmp_path: Any) -> None:
+    """Two gloo ranks, a host pool of 2 pages, ``host_wait_steps=2``, each rank's copies
+    completing in its own random order and rounds: the chunks that wait for host pages,
+    and those whose wait runs out, are the same on both ranks after every iteration
+    (counted in scheduler steps, never a rank's own clock), as are the releases and
+    what was lost; every slot is back in SGLang's allocator."""
+    from kvoffload.testing import LocalRanks
+
+    with LocalRanks(2, timeout_s=240.0) as ranks:
+        r0, r1 = ranks.run(sr.tp_rank_run, 5, str(tmp_path), False, "mha", 2, 2)
+    assert r0["counts"] == r1["counts"]
+    assert r0["released_at"] == r1["released_at"]
+    assert r0["released"] == r0["names"]
+    deferred, expired, lost = r0["counts"][-1][5:]
+    assert deferred >= 1 and expired >= 1, "no wait ran out: the test shows nothing"
+    assert lost >= 1, "an expired wait of a finishing request loses pages, counted"
+    for r in (r0, r1):
+        assert r["live"] == 0 and r["host_used"] == 0
+        assert r["free"] == r["capacity"] and r["rows_free"] == 16
