@@ -132,6 +132,7 @@ def _real_objects(stack: contextlib.ExitStack) -> dict[str, Any]:
         "Allocator/page_size=1": eng(page_size=1).allocator,
         "TreeCache/RadixCache": eng(page_size=PS, tree="radix").tree_cache,
         "TreeCache/UnifiedRadixCache": mha.tree_cache,
+        "TreeLock": _real("sglang.srt.mem_cache.base_prefix_cache.TreeLock")(node=0, receipt=None),
         # SGLang's own, with the values the fake holds (the types compared are the fields')
         "ServerArgs": sr.server_args(hicache_ratio=0.5, hicache_size=0, hicache_storage_backend="file"),
     }
@@ -151,6 +152,7 @@ def _fake_objects() -> dict[str, Any]:
         "TreeCache/RadixCache": engine.tree,
         "TreeCache/UnifiedRadixCache": engine.tree,
         "ServerArgs": fakes.ServerArgs(),
+        "TreeLock": fakes.TreeLock(0),
     }
 
 
@@ -166,6 +168,7 @@ NAMES: dict[str, list[str]] = {
     "TreeCache/RadixCache": ["free_kv_row", "unlock", "lock"],
     "TreeCache/UnifiedRadixCache": ["free_kv_row", "unlock", "lock"],
     "ServerArgs": ["hicache_ratio", "hicache_size", "hicache_storage_backend"],
+    "TreeLock": ["node"],
 }
 
 _USED = "the pages handed out and not given back (the fake engine's leak check)"
@@ -185,6 +188,7 @@ FAKE_ONLY: dict[str, dict[str, str]] = {
     "TreeCache/RadixCache": {"released": _RELEASED},
     "TreeCache/UnifiedRadixCache": {"released": _RELEASED},
     "MLAPool": {"tensors": "the buffers in the drop-in's order, for the tests' expected bytes"},
+    "TreeLock": {"unlocked": "the fake tree's double-unlock check (SGLang's lock counts refs on the node)"},
 }
 
 REAL_TREES = {
@@ -274,3 +278,18 @@ def test_the_comparison_sees_a_wrong_signature() -> None:
     real = _real(REAL_TREES["TreeCache/RadixCache"])
     assert differences(Wrong, real, ["unlock"], {}) == {"unlock(req): SGLang's is unlock(lock)"}
     assert differences(Right, real, ["unlock"], {}) == set()
+
+
+def test_the_comparison_sees_a_wrong_starting_value_and_an_undeclared_extra() -> None:
+    """The comparer itself: the old fake KV (``req_pool_idx`` starting at -1 where
+    SGLang's starts at None, a ``released`` counter SGLang's lacks) differs on both."""
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+    old = fakes.KV()
+    old.req_pool_idx = -1
+    old.released = 0  # type: ignore[attr-defined]
+    assert differences(old, ReqKvInfo(), ["req_pool_idx"], {}) == {
+        "req_pool_idx: int on the fake, NoneType in SGLang",
+        "released: only the fake has it",
+    }
+    assert differences(fakes.KV(), ReqKvInfo(), ["req_pool_idx"], {}) == set()
