@@ -35,10 +35,12 @@ from typing import Any
 
 import sglang_fakes as fakes
 
-#: The engines test_sglang.py runs on: the fakes, and SGLang's real classes with each
-#: of its two tree caches (the decode radix cache off, as SGLang's decode server builds
-#: it by default).
-KINDS = ["fake", "real-unified", "real-radix"]
+#: The engines test_sglang.py runs on: the fakes; SGLang's real classes with each of its
+#: two tree caches, the decode radix cache off (as SGLang's decode server builds it by
+#: default); and on (``--disaggregation-decode-enable-radix-cache``) with every prompt's
+#: whole pages already in the tree, so each request's row starts with the tree's pages
+#: (``cache_protected_len`` > 0) and it holds a lock on the tree.
+KINDS = ["fake", "real-unified", "real-radix", "real-unified-prefix"]
 
 
 class _Releases:
@@ -151,6 +153,7 @@ class RealEngine(_Releases):
     def __init__(self, eng: Any, kind: str) -> None:
         self.kind = kind
         self.real = eng
+        self.prefix = bool(eng.decode_radix) and kind.endswith("-prefix")
         self.page_size: int = eng.page_size
         self.running: list[Any] = []
         self.waiting: list[Any] = []
@@ -193,9 +196,40 @@ class RealEngine(_Releases):
 
     def prefill(self, req: Any) -> None:
         """Admission of a prefilled request (SGLang's decode pre-allocation and transfer
-        commit: a row, slots, the prompt's KV, the first output token)."""
-        self.real.admit(req)
+        commit: a row, slots, the prompt's KV, the first output token); with the decode
+        radix cache on, the prompt's whole pages are in the tree first (a prefix match)."""
+        if self.prefix:
+            self._seed(req)
+        matched = self.real.admit(req)
+        if self.prefix:
+            n = len(req.origin_input_ids)
+            assert matched == req.kv.cache_protected_len == n - n % self.page_size, "no prefix matched"
         self.running.append(req)
+
+    def _seed(self, req: Any) -> None:
+        """Put the whole pages of ``req``'s prompt into the radix tree, as an earlier
+        request with that prompt left them: slots from the allocator with the prompt's
+        KV, inserted under the request's key (``tree_cache.insert``). The slots of a part
+        already in the tree are duplicates: ``UnifiedRadixCache.insert`` frees them
+        itself, ``RadixCache``'s caller does (as its ``cache_finished_req`` does)."""
+        from array import array
+
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        ps, toks = self.page_size, req.origin_input_ids
+        n = len(toks) - len(toks) % ps
+        if n == 0:
+            return
+        slots = self.real.allocator.alloc(n)
+        assert slots is not None, "KV cache is full"
+        for i in range(n):
+            self.real._write_slot(int(slots[i]), i, int(toks[i]))
+        key = RadixKey(array("q", toks[:n]), req.extra_key, cache_salt=req.cache_salt)
+        result = self.real.tree_cache.insert(InsertParams(key=key, value=slots.to(torch.int64)))
+        if result.prefix_len and type(self.real.tree_cache).__name__ == "RadixCache":
+            self.real.allocator.free(slots[: result.prefix_len])
 
     def forward(self) -> None:
         """One decode step of every running request (SGLang's ``alloc_for_decode``, the
@@ -331,7 +365,9 @@ def make(stack: contextlib.ExitStack, kind: str, *, page_size: int = 4, mla: boo
     sglang_cpu.require()
     import sglang_real as sr
 
-    tree = kind.removeprefix("real-")
+    tree = kind.removeprefix("real-").removesuffix("-prefix")
+    if kind.endswith("-prefix"):
+        kw["decode_radix"] = True
     n_pages = kw.pop("n_pages", 256)
     eng = stack.enter_context(
         sr.engine(page_size=page_size, kv="mla" if mla else "mha", tree=tree, slots=n_pages * page_size, **kw)
