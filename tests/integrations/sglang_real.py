@@ -44,7 +44,8 @@ The API (all of it):
 - :class:`Engine` methods: ``new_req``, ``admit`` (SGLang's decode pre-allocation and
   transfer commit, with a prefix matched from the tree and ``req.lock`` taken when the
   decode radix cache is on), ``decode_step`` (SGLang's ``alloc_for_decode`` + the
-  forward's KV write + the sampled token), ``step`` (one scheduler iteration with the
+  forward's KV write + the sampled token; ``stop=True``: a stop token, the request
+  finishes early), ``step`` (one scheduler iteration with the
   offload manager's calls in SGLang's order), ``retract`` (``release_req``), ``resume``
   (decode pre-allocation + ``restore_kv_cache`` / ``Req.load_kv_cache``),
   ``seed_tree`` / ``evict`` (the radix tree's own pages), ``manager`` (kvoffload's
@@ -72,7 +73,7 @@ sglang_cpu.install()  # torchvision stubbed before the first ``import sglang``
 import torch  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.disaggregation.decode import alloc_for_decode_prealloc  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req, release_req  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_MATCHED_TOKEN, Req, release_req  # noqa: E402
 from sglang.srt.mem_cache.allocator import (  # noqa: E402
     PagedTokenToKVPoolAllocator,
     TokenToKVPoolAllocator,
@@ -396,12 +397,14 @@ class Engine:
             return fill_len - prefix_len
         return (-(-fill_len // ps) - -(-prefix_len // ps)) * ps
 
-    def decode_step(self, req: Req, token: int | None = None) -> None:
+    def decode_step(self, req: Req, token: int | None = None, *, stop: bool = False) -> None:
         """One decode step of ``req``: SGLang's ``alloc_for_decode_default``
         (mem_cache/allocation.py: a slot for the last output token's position, written
         into the row, ``kv_allocated_len`` and ``kv_committed_len`` += 1, evicting the
         tree when short), the forward pass writing that position's KV, then the sampled
-        token appended and ``req.update_finish_state()`` (batch_result_processor.py)."""
+        token appended and ``req.update_finish_state()`` (batch_result_processor.py).
+        ``stop``: the sampled token is a stop token (the request finishes now, before
+        ``max_new_tokens``: SGLang's ``req.to_finish = FINISH_MATCHED_TOKEN(...)``)."""
         kv = req.kv
         pos = kv.kv_committed_len  # == seqlen - 1: the last output token's position
         row = kv.req_pool_idx
@@ -420,6 +423,8 @@ class Engine:
         kv.kv_committed_len += 1
         self.write_kv(req, pos, pos + 1)
         req.output_ids.append(next(self._tokens) if token is None else token)
+        if stop:
+            req.to_finish = FINISH_MATCHED_TOKEN(matched=req.output_ids[-1])
         req.update_finish_state()
 
     def step(self, mgr: Any, reqs: Sequence[Req]) -> list[Req]:

@@ -502,3 +502,34 @@ def test_a_wait_bounded_in_steps_expires_in_the_same_step_on_every_tp_rank(tmp_p
     for r in (r0, r1):
         assert r["live"] == 0 and r["host_used"] == 0
         assert r["free"] == r["capacity"] and r["rows_free"] == 16
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_stopped_mid_page_is_released_once_with_its_whole_pages_stored(page_size: int) -> None:
+    """A stop token ends a request mid-page (and mid-stride): kvoffload flushes the
+    page-aligned tail, releases once through SGLang's path after the last copy, and
+    every slot comes back; on SGLang's real allocators of both kinds."""
+    with sr.engine(page_size=page_size) as eng:
+        sim = SimBackend()
+        storage = MemoryStorage()
+        mgr = open_mgr(eng, sim, storage=storage, stride=8)
+        req = eng.new_req("a", list(range(6)), max_new_tokens=100)
+        eng.admit(req)
+        for _ in range(10):
+            mgr.check_offload_progress()
+            eng.decode_step(req)
+            mgr.offload_kv_cache(req)
+        mgr.check_offload_progress()
+        eng.decode_step(req, stop=True)
+        assert req.finished() and len(req.output_ids) == 12
+        if not mgr.offload_kv_cache(req):
+            mgr.finalize_release_on_finish(req)
+        while mgr.ongoing_offload or sim.pending:
+            sim.complete_all()
+            mgr.check_offload_progress()
+        assert released(req) and req.kv.req_pool_idx is None
+        n = 6 + 12 - 1
+        check_stored(eng, mgr, storage, req, 6 // page_size, n // page_size)
+        eng.check_free_list()
+        assert eng.free_count() == eng.capacity
+        mgr.release_host_resources()
