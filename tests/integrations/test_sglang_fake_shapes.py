@@ -9,6 +9,11 @@ type, and a name only the fake has must be declared here with the reason it may 
 Every difference found must be one of ``KNOWN`` (each with why it is tolerated for
 now); a difference fixed in the fake must be removed from ``KNOWN`` (the test fails on
 a stale entry too), so the list only ever shrinks.
+
+Constructors are not compared: test_sglang.py builds its requests and pools through an
+engine (sglang_engines.py: ``new_req``, the engine's own pools), so a fake's
+``__init__`` may take what the fake engine has (SGLang's ``Req`` takes
+``origin_input_text`` and ``SamplingParams``; the fake takes ``max_new``).
 """
 
 from __future__ import annotations
