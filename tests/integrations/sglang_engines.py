@@ -1,6 +1,6 @@
-"""The one engine interface test_sglang.py drives, twice: on the fakes of
-sglang_fakes.py (fast) and on SGLang 0.5.23's REAL classes through sglang_real.py
-(the run that decides). A test written against this interface runs unchanged on both.
+"""The one engine interface test_sglang.py drives: on the fakes of sglang_fakes.py
+(fast) and on SGLang 0.5.23's REAL classes through sglang_real.py (the runs that
+decide; :data:`KINDS`). A test written against this interface runs unchanged on each.
 
 - :class:`FakeEngine`: sglang_fakes.Engine, plus the interface's names.
 - :class:`RealEngine`: sglang_real.Engine (SGLang's ``Req``, ``ReqToTokenPool``,
