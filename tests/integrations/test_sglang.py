@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import random
 import struct
 import subprocess
 import sys
@@ -643,6 +644,58 @@ def test_f31_two_tp_ranks_whose_collectors_run_at_other_moments_stay_in_step(
     assert aborted[11] == 0 and aborted[12] == 1, f"the dropped request ends when its row goes: {aborted}"
     for r in (r0, r1):
         assert r["live"] == 0 and r["host_used"] == 0 and r["engine_slots_held"] == 0
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_a_seeded_random_schedule_stores_every_page_once_and_leaks_nothing(engine: Engine, seed: int) -> None:
+    """A seeded random scheduler in SGLang's order (progress; resume a retracted
+    request; admit; retract with a drain, or preempt without one; the decode step; the
+    offload calls), reused rids, copies completing in a random subset and order, a small
+    host pool: every request finishes and is released exactly once through SGLang's
+    path, every page past its prompt is stored with the engine's bytes, and every slot
+    comes back (on SGLang's real classes: each exactly once on the free list)."""
+    rng = random.Random(seed)
+    sim = FinishesWhenWaitedOn()  # a drain (retraction) waits: the copies then finish
+    mgr, storage = open_mgr(engine, sim, host_pages=16)
+    arrivals = [
+        engine.new_req(
+            f"r{i % 4}", [rng.randrange(1, 500) for _ in range(rng.randint(1, 11))], rng.randint(2, 30)
+        )
+        for i in range(10)
+    ]
+    admitted: list[Req] = []
+    for _ in range(2000):
+        if not arrivals and not engine.running and not engine.waiting:
+            break
+        mgr.check_offload_progress()
+        if engine.waiting and rng.random() < 0.3:
+            engine.resume(engine.waiting[0])
+        if arrivals and rng.random() < 0.3:
+            admitted.append(arrivals.pop())
+            engine.prefill(admitted[-1])
+        if engine.running and rng.random() < 0.08:
+            victim = rng.choice(engine.running)
+            if rng.random() < 0.5:
+                engine.retract(victim)  # drain_before_retraction(), then SGLang's release_req
+            else:
+                engine.preempt(victim)  # priority preemption: no drain (F32)
+        if engine.running:
+            engine.forward()
+            engine.process_results()
+        pending = list(sim.pending)
+        rng.shuffle(pending)
+        for t in pending[: rng.randint(0, len(pending))]:
+            sim.complete(t)
+    assert not arrivals and not engine.running and not engine.waiting, "the schedule did not end"
+    while mgr.ongoing_offload:
+        sim.complete_all()
+        mgr.check_offload_progress()
+    settle(mgr)
+    assert sorted(engine.released) == sorted(r.rid for r in admitted)
+    for r in admitted:
+        assert r.finished() and engine.releases(r) == 1, r.rid
+        check_all_stored(mgr, engine, storage, r)
+    check_nothing_left_and_close(engine, mgr)
 
 
 # --- where kvoffload differs on purpose ------------------------------------------------
