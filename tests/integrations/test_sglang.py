@@ -1,9 +1,10 @@
 """kvoffload's drop-in for SGLang's DecodeKVCacheOffloadManager, driven only through
-the scheduler's calls, on two engines behind one interface (sglang_engines.py): the
-fakes of sglang_fakes.py (fast), and SGLang 0.5.23's REAL classes (sglang_real.py:
-its Req, ReqToTokenPool, MHA / MLA pools on the CPU, paged allocator, UnifiedRadixCache
-and RadixCache, the published runtime context, its retraction and resume), the run
-that decides. The real runs skip with the reason where sglang does not import, and
+the scheduler's calls, on engines behind one interface (sglang_engines.py, its KINDS):
+the fakes of sglang_fakes.py (fast), and SGLang 0.5.23's REAL classes (sglang_real.py:
+its Req, ReqToTokenPool, MHA / MLA pools on the CPU, the paged allocator and the
+page-size-1 one, UnifiedRadixCache and RadixCache, the decode radix cache off and on
+with a matched prefix, the published runtime context, its retraction and resume), the
+runs that decide. The real runs skip with the reason where sglang does not import, and
 fail under ``KVOFFLOAD_REQUIRE_SGLANG=1``.
 
 The behaviours SGLang's own tests pin down, then where kvoffload differs on purpose.
