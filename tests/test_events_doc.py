@@ -218,6 +218,8 @@ def _retract_mid_copy() -> None:
     engine.tree.free_kv_row(req.kv, [(0, req.kv.kv_allocated_len)])
     engine.r2t.free(req)
     req.kv.kv_allocated_len = 0
+    rows = engine.r2t.free_slots  # SGLang's pool hands the freed row out first: another one
+    rows.insert(0, rows.pop())
     engine.prefill(req)
     sim.complete_all()  # the copy ends, but is not delivered yet: still in flight to kvoffload
     engine.iteration()  # check_offload_progress sees the new row: the lifecycle is aborted

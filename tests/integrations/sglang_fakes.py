@@ -5,10 +5,15 @@ and a scheduler loop that drives them only through the scheduler's calls.
   ``cache_protected_len``, ``kv_committed_len``, ``kv_allocated_len``,
   ``mark_kv_released()``), ``extra_key``, ``cache_salt``, ``lock`` (the prefix-cache
   ``TreeLock`` it holds, or None), ``finished()``.
-- ``ReqToTokenPool``: ``req_to_token`` (rows of token slots), ``alloc(req)``,
-  ``free(req)`` (sets ``req.kv.req_pool_idx`` to None, as SGLang's does).
-- ``Allocator``: ``page_size``, ``get_kvcache()``, page ``alloc``/``free`` that refuse a
-  double free.
+- ``ReqToTokenPool``: ``req_to_token`` (padding row 0, then a row of token slots per
+  request), ``free_slots``, ``alloc(reqs)`` (rows from the tail of ``free_slots``, the
+  list of rows), ``free_rows(indices)``, ``free(req)`` (sets ``req.kv.req_pool_idx`` to
+  None), as SGLang's.
+- ``Allocator``: ``page_size``, ``get_kvcache()``, ``alloc(need_size)`` (a tensor of
+  page-aligned slots, or None), ``free(slots)`` (the pages those slots are on; refuses a
+  double free), ``free_pages`` (a tensor of page ids; page 0 is padding), handed out
+  and given back as SGLang's ``PagedTokenToKVPoolAllocator`` (``page_size > 1``) or
+  ``TokenToKVPoolAllocator`` (``page_size == 1``) do.
 - ``TreeCache``: ``free_kv_row(kv, ranges)`` (frees the row's pages in those ranges),
   ``unlock(lock)`` (SGLang 0.5.23's shape: it takes the ``TreeLock``, not the request,
   and reads ``lock.node``; ``None`` is a no-op; refuses a second unlock). The caller
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -44,16 +50,14 @@ class KV:
     """``req.kv``: where a request's KV lives in the engine."""
 
     def __init__(self) -> None:
-        self.req_pool_idx: int | None = None  # SGLang's ReqKvInfo: None until a row is given
+        self.req_pool_idx: int | None = None
         # The tree owns [0, cache_protected_len) (a prefix the decode radix cache matched).
         self.cache_protected_len = 0
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
-        self.released = 0
 
     def mark_kv_released(self) -> None:
-        self.released += 1
-        self.kv_allocated_len = 0  # as SGLang's ReqKvInfo.mark_kv_released
+        self.kv_allocated_len = 0  # SGLang's ReqKvInfo.mark_kv_released
 
 
 class TreeLock:
@@ -79,8 +83,8 @@ class Req:
     ) -> None:
         self.rid = rid
         self.uid = next(_uids)  # the engine's identity of the request's KV content
-        self.origin_input_ids = list(prompt)
-        self.output_ids: list[int] = []
+        self.origin_input_ids = array("q", prompt)  # SGLang's Req holds array("q")s
+        self.output_ids = array("q")
         self.kv = KV()
         self.extra_key = extra_key
         self.cache_salt = cache_salt
@@ -133,79 +137,109 @@ class MLAPool:
     """``MLATokenToKVPool``: one latent buffer per layer."""
 
     def __init__(self, n_pages: int, page_size: int, layers: int) -> None:
-        rows = (n_pages + 1) * page_size
-        self.kv_buffer = [torch.zeros(rows, HEADS, DIM) for _ in range(layers)]
+        rows = (n_pages + 1) * page_size  # one latent head: (rows, 1, kv_lora_rank + rope dim)
+        self.kv_buffer = [torch.zeros(rows, 1, HEADS * DIM) for _ in range(layers)]
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.kv_buffer)
 
 
 class Allocator:
-    """``token_to_kv_pool_allocator``: pages of ``page_size`` slots; page 0 is padding."""
+    """``token_to_kv_pool_allocator``: SGLang's ``PagedTokenToKVPoolAllocator`` (page size
+    > 1) or ``TokenToKVPoolAllocator`` (page size 1, a page is a slot): ``free_pages``
+    holds page ids (page 0 is padding), ``alloc(need_size)`` hands out whole pages from
+    the front as a tensor of their slots, ``free(slots)`` gives back the pages the slots
+    are on (the paged one to the front, the page-size-1 one to the back, as SGLang's do
+    without ``need_sort``). Freeing a page not handed out fails (a double free)."""
 
     def __init__(self, pool: Any, n_pages: int, page_size: int) -> None:
         self.page_size = page_size
-        self._pool = pool
-        self.free_pages = list(range(n_pages, 0, -1))
+        self.device = "cpu"
+        self._kvcache = pool
+        self.free_pages = torch.arange(1, n_pages + 1, dtype=torch.int64)
+        # used: the pages handed out and not given back (the tests' leak check; SGLang's
+        #   allocator keeps no such set).
         self.used: set[int] = set()
 
     def get_kvcache(self) -> Any:
-        return self._pool
+        return self._kvcache
 
-    def alloc_page(self) -> int:
-        page = self.free_pages.pop()
-        self.used.add(page)
-        return page
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
 
-    def free_page(self, page: int) -> None:
-        assert page in self.used, f"page {page} freed twice (or never allocated)"
-        self.used.remove(page)
-        self.free_pages.append(page)
-        # The engine reuses freed memory at once: garbage where the page was.
+    def alloc(self, need_size: int) -> torch.Tensor | None:
         ps = self.page_size
-        for t in self._pool.tensors():
-            t[page * ps : (page + 1) * ps] = -1.0
+        assert need_size % ps == 0, "The allocation size should be page-aligned"
+        n = need_size // ps
+        if n > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        self.used.update(int(p) for p in pages)
+        return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        if free_index.numel() == 0:
+            return
+        ps = self.page_size
+        pages = torch.unique(free_index // ps) if ps > 1 else free_index.to(torch.int64)
+        for page in pages.tolist():
+            assert page in self.used, f"page {page} freed twice (or never allocated)"
+            self.used.remove(page)
+            # The engine reuses freed memory at once: garbage where the page was.
+            for t in self._kvcache.tensors():
+                t[page * ps : (page + 1) * ps] = -1.0
+        parts = (pages, self.free_pages) if ps > 1 else (self.free_pages, pages)
+        self.free_pages = torch.cat(parts)
 
 
 class ReqToTokenPool:
-    """``req_to_token_pool``: one row of token slots per running request."""
+    """``req_to_token_pool``: SGLang's ``ReqToTokenPool``: row 0 is padding, each request
+    holds one row of token slots; rows are handed out from the tail of ``free_slots``
+    and given back to its end."""
 
     def __init__(self, rows: int, max_context: int) -> None:
-        self.req_to_token = torch.zeros(rows, max_context, dtype=torch.int32)
-        self.free_rows = list(range(rows))
-        self.frees = 0
+        self.size = rows
+        self.req_to_token = torch.zeros(rows + 1, max_context, dtype=torch.int32)
+        self.free_slots = list(range(1, rows + 1))
 
-    def alloc(self, reqs: list[Req]) -> list[int]:
-        """SGLang's ``alloc(reqs)``: a row for each request. SGLang's takes rows from the
-        back of its free list (a row freed last comes back first); the fake takes them
-        from the front, so a resumed request gets another row unless a test puts one
-        there (the same-row case is tested by choice)."""
-        for req in reqs:
-            req.kv.req_pool_idx = self.free_rows.pop(0)
-        return [int(req.kv.req_pool_idx) for req in reqs]  # type: ignore[arg-type]
+    def available_size(self) -> int:
+        return len(self.free_slots)
 
-    def free(self, req: Req) -> None:
-        row = req.kv.req_pool_idx
-        assert row is not None and row != -1, f"{req.rid}: request row freed twice"
-        self.free_rows.append(row)
+    def alloc(self, reqs: Sequence[Any]) -> list[int] | None:
+        need = sum(1 for r in reqs if r.kv.req_pool_idx is None)
+        if need > len(self.free_slots):
+            return None
+        rows = iter(self.free_slots[len(self.free_slots) - need :])
+        del self.free_slots[len(self.free_slots) - need :]
+        for r in reqs:
+            if r.kv.req_pool_idx is None:
+                r.kv.req_pool_idx = next(rows)
+        return [r.kv.req_pool_idx for r in reqs]
+
+    def free_rows(self, indices: list[int]) -> None:
+        self.free_slots.extend(indices)
+
+    def free(self, req: Any) -> None:
+        assert req.kv.req_pool_idx is not None, f"{req.rid}: request row freed twice"
+        self.free_rows([req.kv.req_pool_idx])
         req.kv.req_pool_idx = None
-        self.frees += 1
 
 
 class TreeCache:
     """The prefix cache's side of a release: the row's KV ranges, and its lock."""
 
     def __init__(self, allocator: Allocator, r2t: ReqToTokenPool) -> None:
-        self.allocator = allocator
-        self.r2t = r2t
+        self.token_to_kv_pool_allocator = allocator
+        self.req_to_token_pool = r2t
         self.released: list[str] = []  # rids, in release order
 
     def free_kv_row(self, kv: KV, ranges: list[tuple[int, int]]) -> None:
-        ps = self.allocator.page_size
-        row = self.r2t.req_to_token[kv.req_pool_idx]
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         for start, end in ranges:
-            for p in range(start // ps, -(-end // ps)):
-                self.allocator.free_page(int(row[p * ps]) // ps)
+            self.token_to_kv_pool_allocator.free(row[start:end].to(torch.int64))
+
+    def lock(self, node: Any) -> TreeLock:
+        return TreeLock(node)
 
     def unlock(self, lock: TreeLock | None) -> None:
         if lock is None:  # SGLang's BasePrefixCache.unlock: nothing held, nothing to do
@@ -258,28 +292,29 @@ class Engine:
         tokens = req.origin_input_ids + req.output_ids
         uid = shard_uid(req.uid, self.shard)
         for t, buf in enumerate(self.pool.tensors()):
-            buf[slot] = kv_value(uid, pos, tokens[pos], t)
+            buf[slot] = kv_value(uid, pos, tokens[pos], t).view(buf.shape[1:])
 
     def _grow(self, req: Req, n: int) -> None:
         """Allocate pages so the row holds ``n`` tokens."""
         ps = self.page_size
         row = req.kv.req_pool_idx
         while req.kv.kv_allocated_len < n:
-            page = self.allocator.alloc_page()
+            slots = self.allocator.alloc(ps)
+            assert slots is not None, "KV cache is full"
             start = req.kv.kv_allocated_len
-            self.r2t.req_to_token[row, start : start + ps] = torch.arange(page * ps, (page + 1) * ps)
+            self.r2t.req_to_token[row, start : start + ps] = slots.to(torch.int32)
             req.kv.kv_allocated_len += ps
 
     def prefill(self, req: Req) -> None:
         """Admit ``req`` (or resume it after retraction): a row, pages, the KV of every
         token known (the prompt, and the outputs but the last), a prefix-cache lock."""
-        self.r2t.alloc([req])
+        assert self.r2t.alloc([req]) is not None, "req_to_token_pool is full"
         n = len(req.tokens()) if req.output_ids else len(req.origin_input_ids)
         self._grow(req, n + 1)
         for pos in range(n):
             self._write(req, pos)
         req.kv.kv_committed_len = n
-        req.lock = TreeLock(req.rid)
+        req.lock = self.tree.lock(req.rid)
         if not req.output_ids:
             req.output_ids.append(next(self._next_token))  # prefill samples the first token
         self.running.append(req)
@@ -351,7 +386,7 @@ class Engine:
         """The engine forgets ``req`` without finishing it (frees what it holds itself)."""
         self.running.remove(req)
         kv = req.kv
-        if kv.req_pool_idx not in (None, -1):
+        if kv.req_pool_idx is not None:
             self.tree.free_kv_row(kv, [(0, kv.kv_allocated_len)])
             self.r2t.free(req)
 
@@ -365,92 +400,16 @@ class Engine:
         raise AssertionError("requests did not finish")
 
 
+class ServerArgs:
+    """The ``ServerArgs`` fields the drop-in reads (SGLang's own is a dataclass of
+    hundreds; its real one is in the real-class runs): a host pool of half the device
+    pool, the file store."""
+
+    hicache_ratio = 0.5
+    hicache_size = 0
+    hicache_storage_backend = "file"
+
+
 def collect() -> None:
     """Make the collector run weakref callbacks now."""
     gc.collect()
-
-
-# --- tensor parallelism: what each rank runs (imported by name in the rank processes) ----
-
-
-def tp_rank_run(
-    ctx: Any, seed: int, root: str, mla: bool = False, drop_in_a_cycle: bool = False
-) -> dict[str, Any]:
-    """One TP rank of a replicated SGLang scheduler: the same requests and calls on
-    every rank, each rank's copies completing in its own random order and rounds (a
-    SimBackend), KV that differs by rank (its heads). Returns what the test compares:
-    the iteration each request was released in, and what this rank stored.
-
-    ``drop_in_a_cycle``: at iteration 6 the engine drops a running request mid-decode
-    (its row kept), caught in a reference cycle; rank 0's collector runs at once, the
-    others' never does (F31); at iteration 12 the engine frees the row."""
-    import random
-
-    from kvoffload.storage.file import FileStorage
-    from kvoffload.testing import SimBackend
-
-    rng = random.Random(seed * 1000 + ctx.rank)
-    engine = Engine(page_size=4, mla=mla)
-    engine.shard = ctx.rank if not mla else 0
-    sim = SimBackend()
-    mgr = engine.manager(
-        tp_group=ctx.group, storage=FileStorage(root), backend=sim, host_pages=64, drain_timeout_s=20.0
-    )
-    reqs = [Req(f"r{i % 3}", [i * 10 + j for j in range(3 + i)], max_new=9 + 2 * i) for i in range(6)]
-    for i, r in enumerate(reqs):
-        r.uid = 1000 + i  # the same request identity on every rank
-    released_at: dict[int, list[str]] = {}
-    waiting = list(reqs)
-    dropped: KV | None = None
-    counts: list[tuple[int, ...]] = []  # after every iteration: what every rank must see alike
-    if drop_in_a_cycle:
-        gc.disable()
-    for it in range(500):
-        if waiting and it % 3 == 0:
-            engine.prefill(waiting.pop(0))
-        if drop_in_a_cycle and it == 6:
-            gone = engine.running[0]
-            gone.cycle = gone  # type: ignore[attr-defined]  # only the collector frees it
-            dropped = gone.kv
-            engine.running.remove(gone)
-            reqs.remove(gone)
-            del gone
-            if ctx.rank == 0:
-                gc.collect()
-        if dropped is not None and it == 12:
-            engine.tree.free_kv_row(dropped, [(0, dropped.kv_allocated_len)])
-            engine.r2t.free_rows.append(dropped.req_pool_idx)  # type: ignore[arg-type]
-            dropped.req_pool_idx = None
-        before = len(engine.tree.released)
-        engine.iteration()
-        s = mgr.statistics()
-        counts.append((it, s.live_lifecycles, s.released_aborted, s.chunks_discarded, s.device_pages_used))
-        # This rank's copy engine: a random subset of its copies, in a random order.
-        pending = list(sim.pending)
-        rng.shuffle(pending)
-        for t in pending[: rng.randint(0, len(pending))]:
-            sim.complete(t)
-        if len(engine.tree.released) > before:
-            released_at[it] = engine.tree.released[before:]
-        if not waiting and not engine.running and not mgr.ongoing_offload:
-            break
-        if not engine.running and sim.pending and rng.random() < 0.5:
-            sim.complete_all()
-    while mgr.ongoing_offload:
-        sim.complete_all()
-        mgr.check_offload_progress()
-    mgr.manager.check_invariants()
-    stats = mgr.statistics()
-    mgr.release_host_resources()
-    gc.enable()
-    return {
-        "counts": counts,
-        "released_at": released_at,
-        "released": list(engine.tree.released),
-        "pages_stored": stats.pages_stored,
-        "live": stats.live_lifecycles,
-        "host_used": stats.host_pages_used,
-        "engine_pages_held": len(engine.allocator.used),
-        "reqs": [(r.rid, r.uid, r.origin_input_ids, r.output_ids, r.extra_key, r.cache_salt) for r in reqs],
-        "n_tensors": engine.n_tensors,
-    }

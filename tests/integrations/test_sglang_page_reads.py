@@ -289,11 +289,12 @@ def test_a_retraction_reads_the_rows_once(same_rows: bool) -> None:
             engine._take_back(v)
 
     def resume() -> None:
-        engine.allocator.free_pages.reverse()  # other pages than before
-        if same_rows:
-            for row in reversed(rows):
-                engine.r2t.free_rows.remove(row)  # type: ignore[arg-type]
-                engine.r2t.free_rows.insert(0, row)  # type: ignore[arg-type]
+        engine.allocator.free_pages = engine.allocator.free_pages.flip(0)  # other pages than before
+        if same_rows:  # rows are handed out from the tail of free_slots, as SGLang's are
+            free = engine.r2t.free_slots
+            for row in rows:
+                free.remove(row)
+            free.extend(reversed(rows))
         for v in victims:
             engine.resume(v)
         assert ([v.kv.req_pool_idx for v in victims] == rows) is same_rows

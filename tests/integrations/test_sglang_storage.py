@@ -243,7 +243,7 @@ class Prefill:
 def expect_loaded(prefill: Prefill, host_idx: Any, req: Req, engine: Engine, pages: int) -> None:
     """Host pages ``host_idx`` hold the engine's KV of ``req``'s first ``pages`` pages,
     byte for byte, in every layer (read through SGLang's own per-layer views)."""
-    tokens = req.origin_input_ids + req.output_ids
+    tokens = [*req.origin_input_ids, *req.output_ids]
     uid = shard_uid(req.uid, engine.shard)
     rows = prefill.layer_rows()
     for pos in range(pages * PS):
@@ -271,7 +271,7 @@ def test_sglangs_prefill_prefetch_reads_what_the_drop_in_stored(
         assert store.describe()["pages_written"] == 4  # 3 + 14 - 1 committed tokens: 4 pages
         prefill = Prefill(kind, "file", {"file_storage_path": str(tmp_path)})
         try:
-            loaded, idx = prefill.prefetch(req.origin_input_ids + req.output_ids)
+            loaded, idx = prefill.prefetch([*req.origin_input_ids, *req.output_ids])
             assert loaded == 4
             expect_loaded(prefill, idx, req, engine, 4)
         finally:
@@ -311,7 +311,7 @@ def test_sglangs_zero_copy_prefetch_reads_what_the_drop_in_stored(
         prefill = Prefill(kind, "dynamic", extra)
         try:
             assert prefill.cc.page_get_func == prefill.cc._page_get_zero_copy
-            loaded, idx = prefill.prefetch(req.origin_input_ids + req.output_ids)
+            loaded, idx = prefill.prefetch([*req.origin_input_ids, *req.output_ids])
             assert loaded == 4
             expect_loaded(prefill, idx, req, engine, 4)
         finally:
@@ -447,7 +447,7 @@ def test_two_tp_ranks_store_what_each_ranks_hicachefile_reads(tmp_path: Path) ->
 def sglang_stores_first(kind: str, layout: str, root: Path, req: Req, engine: Engine, pages: int) -> None:
     """SGLang's own controller writes the first ``pages`` pages of ``req``'s tokens (the
     engine's KV for them) through HiCacheFile, as a prefill or SGLang decode node does."""
-    tokens = req.origin_input_ids + list(range(100, 100 + req.max_new))  # the engine's tokens
+    tokens = [*req.origin_input_ids, *range(100, 100 + req.max_new)]  # the engine's tokens
     uid = shard_uid(req.uid, engine.shard)
     prefill = Prefill(kind, "file", {"file_storage_path": str(root)})
     try:
@@ -483,7 +483,7 @@ def test_pages_sglang_stored_are_found_and_never_written_again(
         mgr = engine.manager(
             server_args=args(layout, tmp_path), backend="cpu", host_pages=32, drain_timeout_s=5.0
         )
-        tokens = req.origin_input_ids + list(range(100, 100 + req.max_new))
+        tokens = [*req.origin_input_ids, *range(100, 100 + req.max_new)]
         assert mgr.manager.lookup(tokens) == 2 * PS  # what SGLang stored, found
         engine.run([req])
         settle(mgr)
@@ -494,7 +494,7 @@ def test_pages_sglang_stored_are_found_and_never_written_again(
         assert {n: os.stat(tmp_path / n).st_mtime_ns for n in before} == before
         prefill = Prefill(kind, "file", {"file_storage_path": str(tmp_path)})
         try:
-            loaded, idx = prefill.prefetch(req.origin_input_ids + req.output_ids)
+            loaded, idx = prefill.prefetch([*req.origin_input_ids, *req.output_ids])
             assert loaded == 4
             expect_loaded(prefill, idx, req, engine, 4)
         finally:
