@@ -82,8 +82,10 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
 
     Raises :class:`~kvoffload.UnsupportedKVPool` for what this integration cannot offload
     yet, naming it: sliding-window (SWA) and hybrid (linear attention / Mamba) pools, a
-    pool with per-token state besides K and V (an NSA indexer, FP4 scales, DoubleSparse
-    labels), a device other than CUDA or CPU (NPU), buffers that are not whole pages.
+    pool with per-token state besides K and V (an NSA indexer's keys, FP4 scales,
+    DoubleSparse labels), SGLang's HND layout (``SGLANG_USE_HND_KVCACHE=1``: buffers of
+    pages, not token rows), a device other than CUDA or CPU (NPU), buffers that are not
+    whole pages.
     """
     kind_name = type(kv_pool).__name__
     if "SWA" in kind_name or hasattr(kv_pool, "swa_kv_pool") or hasattr(kv_pool, "full_kv_pool"):
@@ -95,6 +97,14 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
         raise UnsupportedKVPool(
             f"{kind_name}: hybrid (linear-attention / Mamba) KV pools are not supported yet; "
             "supported: a plain MHA pool (k_buffer, v_buffer) or MLA pool (kv_buffer)"
+        )
+    layout = getattr(kv_pool, "kv_cache_layout", None)
+    if layout not in (None, "nhd"):
+        # SGLang's HND layout (SGLANG_USE_HND_KVCACHE=1) holds each buffer as (pages,
+        # heads, page size, head dim): its first dimension is not one row per token.
+        raise UnsupportedKVPool(
+            f"{kind_name} has kv_cache_layout={layout!r}: only the token-major 'nhd' layout "
+            "(one row per token) is supported"
         )
     if hasattr(kv_pool, "k_buffer") and hasattr(kv_pool, "v_buffer"):
         kind = "mha"
@@ -111,10 +121,12 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
             f"{kind_name}: not a KV pool this integration knows (no k_buffer/v_buffer, no kv_buffer); "
             "supported: a plain MHA or MLA pool"
         )
+    # Per-token state besides the KV: another *_buffer, or a *_cache object (DSA's NSA
+    # indexer keys live in ``index_key_cache``, an IndexKeyCache).
     extra = sorted(
         a
         for a, value in vars(kv_pool).items()
-        if a.endswith("_buffer") and a not in _KV_BUFFERS[kind] and value is not None
+        if a.endswith(("_buffer", "_cache")) and a not in _KV_BUFFERS[kind] and value is not None
     )
     if extra:
         raise UnsupportedKVPool(

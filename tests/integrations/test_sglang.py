@@ -877,6 +877,58 @@ def test_sglangs_swa_pool_is_refused_at_construction(tree: str) -> None:
             DecodeKVCacheOffloadManager(engine.req_to_token_pool, alloc, None, engine.tree_cache)
 
 
+def test_sglangs_dsa_pool_with_its_indexer_keys_is_refused_at_construction() -> None:
+    """SGLang's real ``DSATokenToKVPool`` (DeepSeek sparse attention: the MLA latent in
+    ``kv_buffer`` and, per token, the NSA indexer's keys in ``index_key_cache``, an
+    ``IndexKeyCache``) holds per-token state besides the KV that the drop-in would not
+    copy: it must be refused by name at construction (docs/integrations/sglang.md: "pools
+    that hold per-token state besides K and V (an NSA indexer's keys ...)"), never
+    offloaded without the indexer's keys. DSA needs 64-token pages."""
+    with contextlib.ExitStack() as stack:
+        engine = make(stack, "real-unified", page_size=64, n_pages=4)
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+        pool = DSATokenToKVPool(
+            size=128,
+            page_size=64,
+            kv_lora_rank=8,
+            dtype=torch.bfloat16,
+            qk_rope_head_dim=4,
+            layer_num=2,
+            device="cpu",
+            index_head_dim=128,
+            enable_memory_saver=False,
+            kv_cache_dim=12,
+        )
+        assert pool.index_key_cache is not None  # the indexer's per-token keys
+        alloc = PagedTokenToKVPoolAllocator(128, 64, torch.bfloat16, "cpu", pool, False)
+        with pytest.raises(kvo.UnsupportedKVPool, match="DSATokenToKVPool"):
+            DecodeKVCacheOffloadManager(engine.req_to_token_pool, alloc, None, engine.tree_cache)
+
+
+@pytest.mark.parametrize("slots", [256, 252], ids=["rows-not-whole-pages", "rows-whole-pages"])
+def test_sglangs_hnd_layout_pool_is_refused_by_its_layout(slots: int, monkeypatch: Any) -> None:
+    """SGLang's real ``MHATokenToKVPool`` with the HND layout (``SGLANG_USE_HND_KVCACHE=1``,
+    ``kv_cache_layout == "hnd"``) holds each K / V buffer as (pages, heads, page size,
+    head dim), not one row per token. The drop-in reads a buffer's first dimension as
+    token rows: it must refuse the layout by name, never view pages as tokens. Before
+    the fix, with 256 slots (65 pages) it was refused as "65 token rows, not a whole
+    number of pages" (the wrong reason); with 252 slots (64 pages) it was accepted, each
+    buffer viewed as 16 "pages" of 4 pages each."""
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    with contextlib.ExitStack() as stack:
+        engine = make(stack, "real-unified", page_size=PS)
+        from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        pool = MHATokenToKVPool(slots, PS, torch.float16, 2, 4, 2, "cpu", False)
+        assert pool.kv_cache_layout == "hnd" and tuple(pool.k_buffer[0].shape[1:]) == (2, PS, 4)
+        alloc = PagedTokenToKVPoolAllocator(slots, PS, torch.float16, "cpu", pool, False)
+        with pytest.raises(kvo.UnsupportedKVPool, match="hnd"):
+            DecodeKVCacheOffloadManager(engine.req_to_token_pool, alloc, None, engine.tree_cache)
+
+
 def test_a_pool_with_extra_per_token_state_is_refused() -> None:
     pool = _mha()
     pool.index_k_with_scale_buffer = [torch.zeros(8 * PS, 1)]  # an NSA indexer's keys
