@@ -122,11 +122,14 @@ def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
             "supported: a plain MHA or MLA pool"
         )
     # Per-token state besides the KV: another *_buffer, or a *_cache object (DSA's NSA
-    # indexer keys live in ``index_key_cache``, an IndexKeyCache).
+    # indexer keys live in ``index_key_cache``, an IndexKeyCache; a flag such as MHA's
+    # ``use_native_move_kv_cache`` is no state).
     extra = sorted(
         a
         for a, value in vars(kv_pool).items()
-        if a.endswith(("_buffer", "_cache")) and a not in _KV_BUFFERS[kind] and value is not None
+        if a not in _KV_BUFFERS[kind]
+        and value is not None
+        and (a.endswith("_buffer") or (a.endswith("_cache") and not isinstance(value, (bool, int, str))))
     )
     if extra:
         raise UnsupportedKVPool(
