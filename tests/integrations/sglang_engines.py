@@ -242,14 +242,7 @@ class RealEngine(_Releases):
         while a request runs; at finish ``if not offload_kv_cache(req):
         finalize_release_on_finish(req)``. Returns the requests that finished."""
         mgr = self.mgr
-        done = []
-        for req in self.running:
-            if not req.finished():
-                mgr.offload_kv_cache(req)
-            else:
-                if not mgr.offload_kv_cache(req):
-                    mgr.finalize_release_on_finish(req)
-                done.append(req)
+        done = fakes.offload_in_sglang_order(mgr, self.running)
         self.running = [r for r in self.running if not r.finished()]
         return done
 

@@ -336,14 +336,7 @@ class Engine:
         release through the manager. Returns the requests that finished."""
         mgr = self.mgr
         assert mgr is not None
-        done = []
-        for req in self.running:
-            if not req.finished():
-                mgr.offload_kv_cache(req)
-            else:
-                if not mgr.offload_kv_cache(req):
-                    mgr.finalize_release_on_finish(req)
-                done.append(req)
+        done = offload_in_sglang_order(mgr, self.running)
         self.running = [r for r in self.running if not r.finished()]
         return done
 
@@ -413,3 +406,19 @@ class ServerArgs:
 def collect() -> None:
     """Make the collector run weakref callbacks now."""
     gc.collect()
+
+
+def offload_in_sglang_order(mgr: Any, running: list[Any]) -> list[Any]:
+    """SGLang's result processing for the requests of a decode step
+    (batch_result_processor.py): ``offload_kv_cache(req)`` while a request runs; at
+    finish ``if not offload_kv_cache(req): finalize_release_on_finish(req)``. Returns
+    the requests that finished."""
+    done = []
+    for req in running:
+        if not req.finished():
+            mgr.offload_kv_cache(req)
+        else:
+            if not mgr.offload_kv_cache(req):
+                mgr.finalize_release_on_finish(req)
+            done.append(req)
+    return done
