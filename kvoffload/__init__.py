@@ -27,7 +27,8 @@ from kvoffload.errors import (
     WrongThread,
 )
 from kvoffload.keys import chain_keys, namespace_seed, page_key
-from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
+from kvoffload.core.lifecycle import Lifecycle, LifecycleId
+from kvoffload.lifecycle import SPEC, LifecycleState, Outcome
 
 __version__ = "0.1.0"
 

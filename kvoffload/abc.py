@@ -19,7 +19,7 @@ from kvoffload.errors import BackendError
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = [

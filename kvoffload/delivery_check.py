@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.abc import Transfer
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.pools import DevicePool, HostPool
 
 __all__ = ["EngineRecord", "fingerprint"]

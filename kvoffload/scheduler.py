@@ -45,7 +45,7 @@ from kvoffload.delivery_check import EngineRecord
 from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.workload import RequestPlan, WorkloadSpec
 

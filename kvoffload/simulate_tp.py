@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import OffloadConfig
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.scheduler import DecodeScheduler, SchedulerResult
 from kvoffload.workload import RequestPlan, WorkloadSpec

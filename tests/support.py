@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 import kvoffload as kvo
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.testing import SimBackend
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import kvoffload as kvo
-import kvoffload.core.offload
+import kvoffload.core.chunks
 from kvoffload.abc import Completion, Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, HostPool
@@ -127,7 +127,7 @@ def test_the_ledger_balances_when_a_failure_is_logged(monkeypatch: pytest.Monkey
             ledger_balances(core)
             logged.append(event)
 
-    monkeypatch.setattr(kvoffload.core.offload, "logger", Spy())
+    monkeypatch.setattr(kvoffload.core.chunks, "logger", Spy())
     core.complete([(ts[0], None), (ts[1], None), (ts[2], RuntimeError("copy failed"))])
     assert logged == ["transfer.failed"]
     ledger_balances(core)

@@ -30,7 +30,7 @@ from support import (
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
 

@@ -23,7 +23,7 @@ import kvoffload as kvo
 from kvoffload.abc import Transfer, WriteChain, WriteJob
 from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import StorageError
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.pools import HostPool
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.storage.writer import WritePolicy, WriterState, write_job

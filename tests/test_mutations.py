@@ -26,7 +26,7 @@ from kvoffload.abc import Completion, Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.keys import chain_keys_packed, pack_tokens, page_run_digests
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.testing import CoreLifecycleMachine, LifecycleMachine, open_arguments, programs, run_program
 

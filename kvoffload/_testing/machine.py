@@ -33,7 +33,7 @@ from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import EnginePages
 from kvoffload.storage.memory import MemoryStorage

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.backends.sim import SimBackend
 from kvoffload.errors import BackendError
-from kvoffload.lifecycle.core import LifecycleId
+from kvoffload.core.lifecycle import LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
     from kvoffload.core.offload import OffloadCore
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = ["KV_SHAPE", "CheckedSimBackend", "Observer", "reference_keys"]
 

@@ -18,7 +18,7 @@ from kvoffload.errors import PoolExhausted
 if TYPE_CHECKING:
     from kvoffload.backends.sim import SimBackend
     from kvoffload.drivers.asyncio import OffloadManager
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = ["Request", "Schedule", "Step", "completion_orders", "request_streams", "run_schedule", "schedules"]
 

@@ -25,7 +25,7 @@ from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
-from kvoffload.lifecycle.core import Lifecycle, wrong_thread
+from kvoffload.core.lifecycle import Lifecycle, wrong_thread
 from kvoffload.lifecycle.table import validate
 from kvoffload.pools import EnginePages
 
@@ -328,7 +328,7 @@ class DriverBase:
         self._check_owner("len(mgr)")
         return len(self.core.live)
 
-    # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
+    # --- the lifecycle protocol (kvoffload.core.lifecycle.LifecycleHost) ---------------------
 
     def finish_lifecycle(self, lc: Lifecycle) -> None:
         """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``.

@@ -27,7 +27,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.drivers._base import DriverBase, first_error
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, ManagerClosed
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from kvoffload.storage.writer import AsyncWriter, WritePolicy, WriteResult

@@ -34,7 +34,7 @@ from kvoffload.core.events import logger
 from kvoffload.drivers._base import DriverBase, check_timeout, first_error
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
