@@ -41,11 +41,11 @@ from typing import Any
 
 import anyio
 
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.delivery_check import EngineRecord
 from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
-from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.workload import RequestPlan, WorkloadSpec
 

@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import run_cli
+from support import broken_parts, run_cli
 
 import kvoffload as kvo
 from kvoffload import graph
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends import BACKENDS
-from kvoffload.core.offload import OffloadCore
+from kvoffload.core.chunks import Chunks
 from kvoffload.delivery_check import EngineRecord
-from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.trace import check_chrome_trace
 from kvoffload.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
 
@@ -121,20 +120,20 @@ def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
     assert _schedule(slow) == _schedule(fast)
 
 
-class SwapsSharedIdsInABatch(OffloadCore):
+class SwapsSharedIdsInABatch(Chunks):
     """A seeded misrouting (F1): two completions of one batch whose lifecycles share a
     request id are delivered to each other's lifecycle. Each lifecycle still receives
     as many completions as it issued, after its copies ended: every count, state,
     ledger and leak check still holds. Only what the completions carry is wrong."""
 
-    def _apply(self, batch: Iterable[Completion], now: float) -> None:
+    def apply(self, batch: Iterable[Completion], now: float) -> None:
         batch = list(batch)
         for i, (t, _) in enumerate(batch):
             for u, _ in batch[i + 1 :]:
                 if u.lifecycle is not t.lifecycle and u.lifecycle.rid == t.lifecycle.rid:
                     t.lifecycle, u.lifecycle = u.lifecycle, t.lifecycle
                     break
-        super()._apply(batch, now)
+        super().apply(batch, now)
 
 
 def test_a_misrouted_completion_fails_the_run(
@@ -143,8 +142,8 @@ def test_a_misrouted_completion_fails_the_run(
     """On a core that swaps completions between lifecycles sharing an id, the run
     counts mismatched completions and exits 1 (the error is the delivery check's, or
     the ledger's when the swap also broke the chain-order write bookkeeping, F33)."""
-    monkeypatch.setattr(OffloadManager, "_core_class", SwapsSharedIdsInABatch)
-    code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
+    with broken_parts(SwapsSharedIdsInABatch):
+        code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
     report = json.loads((tmp_path / "s.json").read_text())
     mismatched = report["deliveries"]["mismatched"]
     assert code == 1 and mismatched > 0, report["deliveries"]

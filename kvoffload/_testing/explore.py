@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload._testing.machine import CoreLifecycleMachine
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import BackendError, InvalidTransition, PoolExhausted
-from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 
 __all__ = [

@@ -29,11 +29,11 @@ from kvoffload._testing.host import ManagerHost, SyncManagerHost
 from kvoffload._testing.observer import KV_SHAPE, CheckedSimBackend, Observer
 from kvoffload.abc import WriteJob
 from kvoffload.config import OffloadConfig
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
-from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import EnginePages
 from kvoffload.storage.memory import MemoryStorage

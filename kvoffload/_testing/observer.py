@@ -44,16 +44,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.backends.sim import SimBackend
-from kvoffload.errors import BackendError
 from kvoffload.core.lifecycle import LifecycleId
+from kvoffload.errors import BackendError
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
-    from kvoffload.core.offload import OffloadCore
     from kvoffload.core.lifecycle import Lifecycle
+    from kvoffload.core.offload import OffloadCore
 
 __all__ = ["KV_SHAPE", "CheckedSimBackend", "Observer", "reference_keys"]
 

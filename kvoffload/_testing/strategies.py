@@ -17,8 +17,8 @@ from kvoffload.errors import PoolExhausted
 
 if TYPE_CHECKING:
     from kvoffload.backends.sim import SimBackend
-    from kvoffload.drivers.asyncio import OffloadManager
     from kvoffload.core.lifecycle import Lifecycle
+    from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["Request", "Schedule", "Step", "completion_orders", "request_streams", "run_schedule", "schedules"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvoffload.abc import Completion, Transfer
 from kvoffload.core.events import Events, RateLimit, logger
@@ -46,12 +46,23 @@ NEVER = 1 << 62
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
 
+class Waiting(Protocol):
+    """What the chunks ask of the deferral FIFO (:class:`kvoffload.core.deferral.HostWait`)."""
+
+    queue: deque[Lifecycle]
+
+    def defer(self, lc: Lifecycle, npages: int) -> None: ...
+
+    def cancel(self, lc: Lifecycle) -> None: ...
+
+    def pump(self) -> None: ...
+
+
 class Chunks:
     """The chunks of one core, from submission to delivery.
 
     ``accept(t)`` is the mover's submit: it may raise to refuse a copy, and then nothing
-    changed. ``sync_row`` is the decode step's slot (set by the core that wires the
-    rooms): a deferred lifecycle's batch row writes its tokens to its tail."""
+    changed."""
 
     def __init__(
         self,
@@ -60,6 +71,7 @@ class Chunks:
         host_pool: HostPool,
         registry: Registry,
         writes: Writes,
+        wait: Waiting,
         events: Events,
         clock: Callable[[], float],
         accept: Callable[[Transfer], None],
@@ -86,13 +98,10 @@ class Chunks:
         # next_seq: the seq of the next transfer submitted.
         # Invariant: all(t.seq < self.next_seq for t in self.inflight.values())
         self.next_seq = 0
-        # deferred: lifecycles whose next chunk waits for host pages, FIFO.
-        # Invariant: all(lc._deferred_since is not None for lc in self.deferred)
-        self.deferred: deque[Lifecycle] = deque()
-        # polls: SyncOffloadManager.poll() calls so far (scheduler steps; the same on every
-        # TP rank): the clock of host_wait_polls. Only the sync driver counts it.
-        self.polls = 0
-        self.sync_row: Callable[[Lifecycle], None] = _no_rows
+        # wait: the deferral FIFO (kvoffload.core.deferral); deferred is its queue, read
+        # here (the delivery loop's one check), written only there.
+        self.wait = wait
+        self.deferred = wait.queue
         # Rate limits of the warnings that come in bursts (F9: no log line every step).
         self._drop_log = RateLimit()
         self._failure_log = RateLimit()
@@ -250,17 +259,10 @@ class Chunks:
     def host_full(self, lc: Lifecycle, npages: int) -> None:
         """``lc``'s chunk of ``npages`` found the host pool full: deferred (``"wait"``) or
         dropped."""
-        c = self.counters
         if self.config.on_host_full == "wait" and not self.registry.closing:
-            if lc._deferred_since is None:
-                lc._deferred_since = self.clock()
-                lc._deferred_poll = self.polls
-                self.deferred.append(lc)
-                c.chunks_deferred += 1
-                if self.events.observed:
-                    self.events.emit("chunk.deferred", lc, pages=npages, bytes=npages * self.page_bytes)
-            return
-        self.drop(lc, npages)
+            self.wait.defer(lc, npages)
+        else:
+            self.drop(lc, npages)
 
     def drop(self, lc: Lifecycle, npages: int) -> None:
         """Count ``lc``'s chunk of ``npages`` not sent; it is retried a stride later (F9)."""
@@ -269,16 +271,14 @@ class Chunks:
         c.pages_dropped += npages
         lc.due = lc.committed + self.config.stride
         requiet(lc, self.events.observed)
-        held = self._drop_log.due(self.clock())
-        if held:
-            logger.warning(
-                "chunk.dropped",
-                rid=lc.rid,
-                lifecycle=lc.id,
-                pages=npages,
-                drops_since_last_log=held,
-                host_pages_free=self.host_pool.free_pages,
-            )
+        self._warn(
+            self._drop_log,
+            "chunk.dropped",
+            lc,
+            "drops_since_last_log",
+            pages=npages,
+            host_pages_free=self.host_pool.free_pages,
+        )
         if self.events.listeners:
             self.events.emit("chunk.dropped", lc, pages=npages, bytes=npages * self.page_bytes)
 
@@ -291,27 +291,19 @@ class Chunks:
         c.pages_refused += npages
         if lc._s == _FINISHING:  # its tail is lost for good
             lc._failed = True
-        held = self._refusal_log.due(self.clock())
-        if held:
-            logger.warning(
-                "transfer.refused",
-                rid=lc.rid,
-                lifecycle=lc.id,
-                pages=npages,
-                error=repr(error),
-                refusals_since_last_log=held,
-            )
+        self._warn(
+            self._refusal_log,
+            "transfer.refused",
+            lc,
+            "refusals_since_last_log",
+            pages=npages,
+            error=repr(error),
+        )
         if self.events.listeners:
             self.events.emit(
                 "transfer.refused", lc, pages=npages, bytes=npages * self.page_bytes, error=repr(error)
             )
         self.drop(lc, npages)
-
-    def undefer(self, lc: Lifecycle) -> None:
-        """``lc``'s deferred chunk is given up (an abort, a hole): it leaves the FIFO."""
-        lc._deferred_since = None
-        self.deferred.remove(lc)
-        lc._wake_quiet()
 
     def hole(self, lc: Lifecycle, first: int) -> bool:
         """Offload of live ``lc`` stops at token ``first`` (F33): a chunk from there was
@@ -329,56 +321,8 @@ class Chunks:
             self.writes.skip_held(lc, first)
         if lc._deferred_since is None:
             return False
-        self.undefer(lc)
+        self.wait.cancel(lc)
         return True
-
-    def pump(self) -> None:
-        """Submit deferred chunks, oldest first, while host pages last; drop the expired.
-        A mover's refusal fails that chunk only (F20). Once the core is closing, every
-        deferred chunk is dropped: no copy may start."""
-        q = self.deferred
-        cfg = self.config
-        ps = cfg.page_size
-        now = self.clock()
-        fire = self.registry.fire
-        while q:
-            lc = q[0]
-            since = lc._deferred_since
-            if since is None or lc._s == _RELEASED:
-                q.popleft()
-                continue
-            pending = lc.committed - lc.submitted
-            final = lc._s == _FINISHING
-            wanted = pending - pending % (ps if final else cfg.stride)
-            n = min(wanted, cfg.host_pages * ps)
-            expired = (
-                self.registry.closing
-                or (cfg.host_wait_s is not None and now - since > cfg.host_wait_s)
-                or (cfg.host_wait_polls is not None and self.polls - lc._deferred_poll > cfg.host_wait_polls)
-            )
-            if not expired and n > 0 and self.host_pool.free_pages < n // ps:
-                break  # FIFO: later ones wait behind this one
-            q.popleft()
-            lc._deferred_since = None
-            if expired or n <= 0:  # (n <= 0: nothing left to send, a prompt chunk sent with a later one)
-                if expired:
-                    self.counters.chunks_expired += 1
-                    self.drop(lc, wanted // ps)  # every page not sent, as submit counts
-                lc._wake_quiet()
-                fire(lc, _DROPPED)
-                continue
-            if lc._row >= 0:  # visited every step while deferred: nothing held (made sure)
-                self.sync_row(lc)
-            if final:
-                self.flush(lc)  # may defer the rest again: it rejoins the queue
-            else:
-                try:
-                    self.submit(lc, n)
-                except Exception as exc:
-                    self.refused(lc, wanted // ps, exc)
-            if lc.quiescent:  # nothing went out: a refused or dropped chunk
-                lc._wake_quiet()
-                fire(lc, _DROPPED)
 
     # --- completions ---------------------------------------------------------------------
 
@@ -454,7 +398,7 @@ class Chunks:
                 if lc._quiet_ev is not None:
                     lc._wake_quiet()
                 if self.deferred and (error is not None or lc._aborted or not store):
-                    self.pump()  # host pages came back
+                    self.wait.pump()  # host pages came back
                 observed = self.events.observed
         finally:
             if chunks:
@@ -489,16 +433,16 @@ class Chunks:
             c.chunks_failed += 1
             c.pages_failed += npages
             self.host_pool.free(host)
-            held = self._failure_log.due(now)
-            if held:  # a failing device fails every copy: one line per burst interval
-                logger.warning(
-                    "transfer.failed",
-                    rid=lc.rid,
-                    lifecycle=lc.id,
-                    transfer=t.id,
-                    error=repr(error),
-                    failures_since_last_log=held,
-                )
+            # a failing device fails every copy: one line per burst interval
+            self._warn(
+                self._failure_log,
+                "transfer.failed",
+                lc,
+                "failures_since_last_log",
+                transfer=t.id,
+                error=repr(error),
+                now=now,
+            )
             if self.events.listeners:
                 self._emit_delivery("transfer.failed", t, lc, now, error=repr(error))
             return _FAILED
@@ -520,6 +464,21 @@ class Chunks:
             self._emit_delivery(name, t, lc, now)
         return _DONE
 
+    def _warn(
+        self,
+        limit: RateLimit,
+        event: str,
+        lc: Lifecycle,
+        held_as: str,
+        now: float | None = None,
+        **fields: Any,
+    ) -> None:
+        """A warning about ``lc`` that comes in bursts: one line per ``limit`` interval,
+        saying (as ``held_as``) how many there were since the last."""
+        held = limit.due(self.clock() if now is None else now)
+        if held:
+            logger.warning(event, rid=lc.rid, lifecycle=lc.id, **fields, **{held_as: held})
+
     def _emit_delivery(self, name: str, t: Transfer, lc: Lifecycle, now: float, **extra: Any) -> None:
         npages = len(t.host_pages)
         self.events.emit(
@@ -531,7 +490,3 @@ class Chunks:
             latency_s=now - t.submitted_at,
             **extra,
         )
-
-
-def _no_rows(lc: Lifecycle) -> None:
-    raise AssertionError(f"{lc!r} holds a batch row, but no decode step was wired to these chunks")

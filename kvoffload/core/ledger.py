@@ -85,7 +85,7 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
                 lambda: f"{lc!r} is FINISHING with nothing in flight and nothing deferred",
             )
         if lc._deferred_since is not None:
-            expect(lc in chunks.deferred, lambda: f"{lc!r} is deferred but not queued")
+            expect(lc in chunks.wait.queue, lambda: f"{lc!r} is deferred but not queued")
         # No holes (F33): offload stopped at a hole submits nothing and waits for nothing.
         expect(lc.pages_lost == 0, lambda: f"{lc!r} is live with pages_lost {lc.pages_lost}")
         if lc._stop >= 0:
@@ -188,7 +188,7 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
         lambda: "pages: copied != stored + store_failed + store_skipped + in_write + not_stored",
     )
     expect(
-        all(lc._deferred_since is not None for lc in chunks.deferred),
+        all(lc._deferred_since is not None for lc in chunks.wait.queue),
         lambda: "a non-deferred lifecycle is queued as deferred",
     )
     try:

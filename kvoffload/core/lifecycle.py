@@ -459,7 +459,7 @@ class Lifecycle:
                 self._quiet_ev = ev
         return ev
 
-    def logger(self) -> Any:
+    def _logger(self) -> Any:
         """The structlog-style logger bound to this lifecycle's id and rid (made once)."""
         log = self._log
         if log is None:

@@ -14,7 +14,8 @@ state, its invariants written beside it:
 - :class:`~kvoffload.core.registry.Registry`: the live lifecycles, their state
   counts, the one table step, release;
 - :class:`~kvoffload.core.chunks.Chunks`: host pages, copies in flight in submission
-  order, the one submit planner, drops, holes, the deferral FIFO, completions;
+  order, the one submit planner, drops, holes, completions;
+- :class:`~kvoffload.core.deferral.HostWait`: the chunks that wait for host pages;
 - :class:`~kvoffload.core.writes.Writes`: the storage write jobs, in chain order;
 - :class:`~kvoffload.core.step.DecodeStep`: extend, extend_due, extend_batch and the
   one undo; it owns the batch rows;
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import time
 from _thread import get_ident
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +40,9 @@ from kvoffload.abc import Completion, Transfer, WriteJob
 from kvoffload.config import OffloadConfig
 from kvoffload.core import ledger
 from kvoffload.core.chunks import Chunks
-from kvoffload.core.events import Events, Listener, RateLimit, logger, refresh_debug
-from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, LifecycleId, requiet
+from kvoffload.core.deferral import HostWait
+from kvoffload.core.events import Events, logger, refresh_debug
+from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
 from kvoffload.core.registry import Registry
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
@@ -130,12 +131,14 @@ class OffloadCore:
         self.write_behind = Writes(
             config, counters, host_pool, events, clock, page_bytes, store_log_interval_s
         )
+        self.wait = wait = HostWait(config, counters, host_pool, registry, events, clock, page_bytes)
         self.chunks = chunks = Chunks(
             config,
             counters,
             host_pool,
             registry,
             self.write_behind,
+            wait,
             events,
             clock,
             accept,
@@ -146,8 +149,17 @@ class OffloadCore:
         self.step = step = DecodeStep(config, device_pool, registry, chunks, events, self)
         self.watchdog = Watchdog(registry, chunks)
         registry.detach_row = step.detach
-        chunks.sync_row = step.sync
-        self._rooms: tuple[Any, ...] = (events, registry, self.write_behind, chunks)
+        wait.chunks = chunks
+        wait.sync_row = step.sync
+        self._rooms: tuple[Any, ...] = (events, registry, self.write_behind, wait, chunks)
+        # For readers (drivers, the ledger's callers, tests): the rooms' containers, never
+        # rebound by their owners; read them, change them only through the core's calls.
+        self.live = registry.live
+        self.state_counts = registry.state_counts
+        self.inflight = chunks.inflight
+        self.deferred = wait.queue
+        self.writes = self.write_behind.jobs  # write jobs out (or about to be), not finished
+        self.listeners = events.listeners
         # The decode step's entry points, bound once (see the class doc).
         self.extend = step.extend
         self.extend_due = step.extend_due
@@ -207,11 +219,11 @@ class OffloadCore:
     @property
     def polls(self) -> int:
         """Scheduler steps so far (the sync driver counts them): host_wait_polls' clock."""
-        return self.chunks.polls
+        return self.wait.polls
 
     @polls.setter
     def polls(self, polls: int) -> None:
-        self.chunks.polls = polls
+        self.wait.polls = polls
 
     @property
     def rows_min(self) -> int:
@@ -225,39 +237,13 @@ class OffloadCore:
     # --- reading the rooms --------------------------------------------------------------
 
     @property
-    def live(self) -> dict[LifecycleId, Lifecycle]:
-        return self.registry.live
-
-    @property
-    def state_counts(self) -> list[int]:
-        return self.registry.state_counts
-
-    @property
     def closing(self) -> bool:
         """Whether close() ran: no admit, no copy may start."""
         return self.registry.closing
 
     @property
-    def inflight(self) -> dict[int, Transfer]:
-        return self.chunks.inflight
-
-    @property
     def next_seq(self) -> int:
         return self.chunks.next_seq
-
-    @property
-    def deferred(self) -> deque[Lifecycle]:
-        return self.chunks.deferred
-
-    @property
-    def writes(self) -> dict[int, WriteJob]:
-        """Write jobs handed out (or about to be) whose storage write has not finished."""
-        return self.write_behind.jobs
-
-    @property
-    def held(self) -> dict[LifecycleId, dict[int, WriteJob]]:
-        """Copied chunks whose write waits for an earlier chunk's copy (F33)."""
-        return self.write_behind.held
 
     @property
     def rows(self) -> DecodeRows | None:
@@ -269,14 +255,6 @@ class OffloadCore:
         rows = self.step.rows
         assert rows is not None
         return rows.step
-
-    @property
-    def listeners(self) -> list[Listener]:
-        return self.events.listeners
-
-    @property
-    def listener_failures(self) -> dict[str, RateLimit]:
-        return self.events.failures
 
     @property
     def observed(self) -> bool:
@@ -385,7 +363,7 @@ class OffloadCore:
         if self.write_behind.held:  # copied ahead of a chunk that will now be discarded: never written
             self.write_behind.skip_held(lc, 0)
         if lc._deferred_since is not None:
-            self.chunks.undefer(lc)
+            self.wait.cancel(lc)
         self.registry.fire(lc, _ABORT)
         return self.registry.take_released()
 
@@ -438,8 +416,8 @@ class OffloadCore:
             if lc is not None and self.chunks.hole(lc, job.first_token):
                 self.registry.fire(lc, _DROPPED)
         self.write_behind.count(job, stored, attempts, error)
-        if self.chunks.deferred:
-            self.chunks.pump()
+        if self.wait.queue:
+            self.wait.pump()
         return self.registry.take_released()
 
     # --- time ---------------------------------------------------------------------------
@@ -447,8 +425,8 @@ class OffloadCore:
     def pump(self) -> list[Lifecycle]:
         """Retry deferred chunks now (host pages may have come back); drop the expired.
         Returns what an expired deferral released."""
-        if self.chunks.deferred:
-            self.chunks.pump()
+        if self.wait.queue:
+            self.wait.pump()
         return self.registry.take_released()
 
     def expire_waits(self) -> list[Lifecycle]:
@@ -460,8 +438,8 @@ class OffloadCore:
     def tick(self) -> list[Lifecycle]:
         """The time-based checks, now: deferral expiry (and retry) and the watchdog
         (F18). Returns what an expired deferral released."""
-        if self.chunks.deferred:
-            self.chunks.pump()
+        if self.wait.queue:
+            self.wait.pump()
         if self.config.stuck_after_s is not None:
             self.watchdog.report()
         return self.registry.take_released()
@@ -473,10 +451,6 @@ class OffloadCore:
         listing their device pages. Whoever receives released lifecycles from the core
         (the drivers, :class:`_DirectHost`) calls this once it told the engine."""
         self.registry.told(released)
-
-    def emit(self, name: str, lc: Lifecycle, **fields: Any) -> None:
-        """Send event ``name`` about ``lc`` to the listeners and (at debug) structlog."""
-        self.events.emit(name, lc, **fields)
 
     def refresh_observed(self) -> bool:
         """Recompute :attr:`observed` (listeners, and whether debug logging is seen); when
@@ -496,7 +470,7 @@ class OffloadCore:
     @property
     def busy(self) -> bool:
         """Whether a chunk is in flight, deferred, or waiting for its storage write."""
-        return bool(self.chunks.inflight or self.chunks.deferred or self.write_behind.jobs)
+        return bool(self.chunks.inflight or self.wait.queue or self.write_behind.jobs)
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the state and counters."""

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers._base import DriverBase, check_timeout, first_error
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
-from kvoffload.core.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable

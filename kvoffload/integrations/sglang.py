@@ -43,10 +43,10 @@ from typing import Any
 
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import ConfigError, PageError, UnsupportedKVPool
 from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
-from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors", "sglang_l3_storage"]
 
