@@ -98,10 +98,28 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
+def _dynamic_import(node: ast.Call) -> str | None:
+    """The module ``importlib.import_module(...)`` / ``__import__(...)`` names: a constant,
+    or the constant head of an f-string (``f"p.rooms.{name}"`` imports ``p.rooms``)."""
+    func = node.func
+    if not node.args or not (
+        (isinstance(func, ast.Attribute) and func.attr == "import_module")
+        or (isinstance(func, ast.Name) and func.id in ("import_module", "__import__"))
+    ):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        head = str(arg.values[0].value)
+        return head.rpartition(".")[0] or None
+    return None
+
+
 def import_edges(root: Path) -> list[Edge]:
     """Every import of every module under ``root`` as an edge between modules of the
     package: top level, under ``if TYPE_CHECKING:`` and inside functions alike, and
-    ``importlib.import_module("...")`` with a constant name.
+    ``importlib.import_module(...)`` of a constant name or an f-string's constant head.
 
     ``import p.a.b`` and ``from p.a.b import y`` run ``p/a/__init__.py`` and
     ``p/a/b/__init__.py`` too, so they are edges to those packages as well, except to a
@@ -132,17 +150,8 @@ def import_edges(root: Path) -> list[Edge]:
                 for alias in node.names:
                     sub = f"{mod}.{alias.name}"
                     yield sub if sub in names else mod
-            elif (
-                isinstance(node, ast.Call)
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-                and (
-                    (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                    or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__"))
-                )
-            ):
-                yield node.args[0].value
+            elif isinstance(node, ast.Call) and (name := _dynamic_import(node)):
+                yield name
 
         holders = {*_ancestors(m.name), *([m.name] if m.is_package else [])}
         for node in ast.walk(m.tree):
@@ -158,7 +167,7 @@ def import_edges(root: Path) -> list[Edge]:
                 for dst in [*_ancestors(found), found]:
                     if dst in names and dst not in holders:
                         edges.append(Edge(m.name, dst, m.rel, getattr(node, "lineno", 0)))
-    return edges
+    return sorted(set(edges), key=lambda e: (e.rel, e.line, e.dst))
 
 
 def _components(graph: dict[str, set[str]]) -> list[list[str]]:
