@@ -247,7 +247,10 @@ class Events:
         if self.listeners:
             notify_listeners(self.listeners, name, fields, self.failures, self.clock)
         if DEBUG.on:
-            lc._logger().debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+            log = lc._log
+            if log is None:
+                log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
+            log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
 
     def notify(self, name: str, fields: dict[str, Any]) -> None:
         """Send event ``name`` (``fields`` already named) to the listeners only."""

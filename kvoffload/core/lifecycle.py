@@ -240,7 +240,8 @@ class Lifecycle:
     # _wchain: what its write jobs share (the core's WriteChain), None before the first.
     #
     # This class's own: _released_ev / _quiet_ev, a driver's Waker (waker()), set when
-    # the lifecycle is RELEASED / quiescent, None when nobody waits; _log, its logger.
+    # the lifecycle is RELEASED / quiescent, None when nobody waits. _log: its bound
+    # logger, made by the core's events on the first debug event.
 
     def __init__(self, core: LifecycleCore, lid: LifecycleId, rid: Any, now: float, owner: int) -> None:
         self._core = core
@@ -458,15 +459,6 @@ class Lifecycle:
             else:
                 self._quiet_ev = ev
         return ev
-
-    def _logger(self) -> Any:
-        """The structlog-style logger bound to this lifecycle's id and rid (made once)."""
-        log = self._log
-        if log is None:
-            from kvoffload.core.events import logger
-
-            log = self._log = logger.bind(lifecycle=self.id, rid=self.rid)
-        return log
 
     def _wake_released(self) -> None:
         """RELEASED: set the waker of whoever waits for it."""
