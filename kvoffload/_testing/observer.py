@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.backends.sim import SimBackend
+from kvoffload.backends._sim import SimBackend
 from kvoffload.errors import BackendError
 from kvoffload.lifecycle.core import LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome

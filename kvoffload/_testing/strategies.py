@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvoffload.errors import PoolExhausted
 
 if TYPE_CHECKING:
-    from kvoffload.backends.sim import SimBackend
+    from kvoffload.backends._sim import SimBackend
     from kvoffload.drivers.asyncio import OffloadManager
     from kvoffload.lifecycle.core import Lifecycle
 
