@@ -37,8 +37,8 @@ from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import EventBackend, Transfer
+from kvoffload.backends import CpuBackend
 from kvoffload.backends._threaded import ThreadedBackend
-from kvoffload.backends.cpu import CpuBackend
 
 
 class _Owner:
@@ -324,7 +324,7 @@ async def main(quick: bool) -> int:
     met = report("cpu", tp, lat, "torch copy_ of the pool, one block")
     met = report_engine(await engine_throughput(32, 32, trials)) and met
     if torch.cuda.is_available():
-        from kvoffload.backends.cuda import CudaBackend
+        from kvoffload.backends import CudaBackend
 
         tp = await throughput(CudaBackend, config, 32, trials)
         lat = await latency_and_loop_cpu(CudaBackend, n_chunks)

@@ -86,7 +86,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     ratios: dict[str, list[float]] = {"per-request": [], "batched": []}
-    seen: dict[str, dict[str, list[float]]] = {"before": {k: [] for k in ratios}, "after": {k: [] for k in ratios}}
+    seen: dict[str, dict[str, list[float]]] = {
+        "before": {k: [] for k in ratios},
+        "after": {k: [] for k in ratios},
+    }
     for r in range(args.rounds):
         order = [("before", args.before), ("after", args.after)]
         if r % 2:
@@ -98,7 +101,12 @@ def main() -> None:
                 seen[name][kind].append(got[name][kind])
     print(f"{args.rounds} rounds, interleaved; median us per request-step:")
     for name in ("before", "after"):
-        print("  " + name + ": " + ", ".join(f"{k} {statistics.median(v) * 1e6:.3f}" for k, v in seen[name].items()))
+        print(
+            "  "
+            + name
+            + ": "
+            + ", ".join(f"{k} {statistics.median(v) * 1e6:.3f}" for k, v in seen[name].items())
+        )
     for kind, rs in ratios.items():
         print(f"  rounds {kind}: " + " ".join(f"{x:.3f}" for x in rs))
     for kind, rs in ratios.items():

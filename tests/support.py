@@ -93,7 +93,7 @@ async def open_manager(
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """``kvoffload`` main(argv) -> (exit code, stdout, stderr); argparse's SystemExit
     becomes a code."""
-    from kvoffload.cli import main
+    from kvoffload.tools.cli import main
 
     try:
         code = main(argv)

@@ -17,13 +17,13 @@ import pytest
 from support import broken_parts, run_cli
 
 import kvoffload as kvo
-from kvoffload import graph
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends import BACKENDS
 from kvoffload.core.chunks import Chunks
-from kvoffload.delivery_check import EngineRecord
-from kvoffload.trace import check_chrome_trace
-from kvoffload.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
+from kvoffload.tools import graph
+from kvoffload.tools.delivery_check import EngineRecord
+from kvoffload.tools.trace import check_chrome_trace
+from kvoffload.tools.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
 
 # A small, quick workload (well under a second).
 SMALL = [
@@ -101,7 +101,7 @@ def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
     count decode steps, and each step waits until the manager took the completions the
     loop played. A machine that needs 2 ms more for every step (a busy one) runs the
     same schedule, figure for figure, with its late completions during id reuse."""
-    from kvoffload.scheduler import DecodeScheduler
+    from kvoffload.tools.scheduler import DecodeScheduler
 
     code, out, _ = run([*REUSED, "--json", str(tmp_path / "fast.json")], capsys)
     assert code == 0, out
@@ -208,7 +208,7 @@ def test_store_none_keeps_nothing_and_still_balances(
 def test_auto_backend_is_the_managers_auto() -> None:
     """simulate's --backend auto picks what OffloadManager's "auto" picks: cuda with a
     GPU, else cpu."""
-    from kvoffload.simulate import choose_backend
+    from kvoffload.tools.simulate import choose_backend
 
     assert choose_backend("auto") == ("cuda" if _has_gpu() else "cpu")
 
@@ -253,7 +253,7 @@ def test_bad_options_exit_2_with_a_clear_message(
 def test_tp_is_bounded_by_the_machines_cores(capsys: pytest.CaptureFixture[str]) -> None:
     """--tp starts one process per rank: more than 4 a CPU core (64 at most) is refused
     with the bound and the reason, exit 2, before anything starts."""
-    from kvoffload.cli import max_tp
+    from kvoffload.tools.cli import max_tp
 
     bound = max_tp()
     assert bound == min(64, 4 * (os.cpu_count() or 1))

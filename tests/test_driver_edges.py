@@ -18,7 +18,7 @@ import pytest
 from support import toks
 
 import kvoffload as kvo
-from kvoffload.backends.cpu import CpuBackend
+from kvoffload.backends import CpuBackend
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
 

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from support import HANG_S, toks
 
 import kvoffload as kvo
-from kvoffload.backends.cpu import CpuBackend
+from kvoffload.backends import CpuBackend
 from kvoffload.drivers._base import parked
 from kvoffload.testing import ManagerHost, SimBackend, SyncManagerHost
 

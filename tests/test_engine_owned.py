@@ -11,7 +11,7 @@ import torch
 from support import toks
 
 import kvoffload as kvo
-from kvoffload.backends.cuda import order_after, queue_copy
+from kvoffload.backends._cuda import order_after, queue_copy
 from kvoffload.pools import DevicePool, EnginePages, HostPool, host_tensor
 from kvoffload.testing import SimBackend
 

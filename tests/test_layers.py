@@ -114,7 +114,7 @@ def test_the_check_can_fail() -> None:
         "from typing import TYPE_CHECKING\n"
         "import anyio\n"
         "from kvoffload.drivers.asyncio import OffloadManager\n"
-        "if TYPE_CHECKING:\n    from kvoffload.backends.sim import SimBackend\n"
+        "if TYPE_CHECKING:\n    from kvoffload.backends._sim import SimBackend\n"
         "def f():\n    import kvoffload.storage\n"
     )
     names = [name for _, name in _runtime_imports(tree)]
@@ -358,3 +358,33 @@ def test_long_files_names_each_offender(tmp_path: Path) -> None:
     """A core file of 501 lines is named with its count; one of 500 is not."""
     root = _package(tmp_path, {"core/big.py": "x = 1\n" * 501, "core/ok.py": "x = 1\n" * 500})
     assert _house.long_files(root / "core", CORE_FILE_LIMIT) == ["big.py: 501 lines (limit 500)"]
+
+
+def test_no_layer_imports_the_tools() -> None:
+    """The tools (``kvoffload/tools/``) sit on the layers: no module of kvoffload outside
+    them imports ``kvoffload.tools``, at run time or under ``TYPE_CHECKING``, nor
+    ``from kvoffload import tools``. Aside: the test helpers (``_testing``,
+    ``testing.py``) and ``__main__.py``, which is the command (``python -m kvoffload``
+    runs ``kvoffload.tools.cli``)."""
+
+    def imports_tools(tree: ast.Module) -> list[int]:
+        lines = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n == "kvoffload.tools" or n.startswith("kvoffload.tools.") for n in names):
+                lines.append(node.lineno)
+        return lines
+
+    sample = "import kvoffload.tools.cli\nfrom kvoffload import tools\nfrom kvoffload import core\n"
+    assert imports_tools(ast.parse(sample)) == [1, 2]  # the check can fail
+    excluded = {PKG / "tools", PKG / "_testing", PKG / "testing.py", PKG / "__main__.py"}
+    modules = [p for p in sorted(PKG.rglob("*.py")) if not any(p == e or e in p.parents for e in excluded)]
+    assert PKG / "core" / "offload.py" in modules and PKG / "__init__.py" in modules
+    hits = {str(p.relative_to(PKG)): imports_tools(ast.parse(p.read_text())) for p in modules}
+    bad = {name: lines for name, lines in hits.items() if lines}
+    assert not bad, f"layer modules import kvoffload.tools (file: lines): {bad}"

@@ -143,7 +143,7 @@ async def test_cpu_backend_aclose_in_a_cancelled_scope_returns_only_once_no_copy
 
     from support import spin
 
-    from kvoffload.backends.cpu import CpuBackend
+    from kvoffload.backends import CpuBackend
 
     backend = CpuBackend()
     gate = threading.Event()

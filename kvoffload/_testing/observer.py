@@ -43,8 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.backends.sim import SimBackend
-from kvoffload.core.lifecycle import LifecycleId
+from kvoffload.backends._sim import SimBackend
 from kvoffload.errors import BackendError
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool

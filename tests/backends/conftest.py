@@ -34,11 +34,11 @@ NO_GPU = (
 def _make(name: str) -> EventBackend:
     """Each backend as the suite runs it: threaded ones with two streams."""
     if name == "cpu":
-        from kvoffload.backends.cpu import CpuBackend
+        from kvoffload.backends import CpuBackend
 
         return CpuBackend(streams=2)
     if name == "cuda":
-        from kvoffload.backends.cuda import CudaBackend
+        from kvoffload.backends import CudaBackend
 
         return CudaBackend(streams=2)
     return resolve_backend(name)

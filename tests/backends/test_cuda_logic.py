@@ -14,8 +14,8 @@ import pytest_asyncio
 import torch
 
 import kvoffload as kvo
+from kvoffload.backends._cuda import EventStream, InFlight, poll_completions
 from kvoffload.backends._threaded import CompletionInbox, CopyHooks
-from kvoffload.backends.cuda import EventStream, InFlight, poll_completions
 
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -209,7 +209,7 @@ async def test_poll_mode_delivers_only_from_the_head_in_order() -> None:
 @pytest.mark.skipif(CUDA, reason="a GPU is present: the no-GPU error cannot be shown")
 def test_cuda_without_a_gpu_raises_a_clear_backend_error() -> None:
     """backend="cuda" without a GPU raises BackendError saying so and naming the way out."""
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     with pytest.raises(kvo.BackendError, match=r"needs a CUDA GPU.*backend='cpu'"):
         CudaBackend()
@@ -225,7 +225,7 @@ async def test_the_copy_waits_for_the_compute_stream_f17() -> None:
     submitted right after (before the write ran) still reads the written bytes,
     because the side stream waits on the compute stream first."""
     from kvoffload.abc import Transfer
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
     b = CudaBackend()
@@ -253,7 +253,7 @@ async def test_the_copy_waits_for_the_engines_own_forward_stream_f26() -> None:
     ``ready`` = that stream (or an event recorded on it) the copy reads the written bytes,
     though the current stream is idle when the copy is launched."""
     from kvoffload.abc import Transfer
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
     b = CudaBackend()
@@ -310,7 +310,7 @@ def test_engine_owned_device_kv_is_copied_on_the_gpu() -> None:
 @pytest.mark.asyncio
 async def test_poll_mode_offloads_end_to_end_on_the_gpu() -> None:
     """completion="poll": a manager offloads and releases with the right host bytes."""
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=32, host_pages=32, dtype="float32")
     async with kvo.OffloadManager(config, backend=CudaBackend(completion="poll")) as mgr:
@@ -361,8 +361,8 @@ def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
     ``_make_worker`` reads are set by hand: a stand-in for torch.cuda.Stream)."""
     from types import SimpleNamespace
 
+    from kvoffload.backends._cuda import CudaBackend, _EventPool
     from kvoffload.backends._threaded import ThreadedBackend
-    from kvoffload.backends.cuda import CudaBackend, _EventPool
 
     backend = CudaBackend.__new__(CudaBackend)
     ThreadedBackend.__init__(backend, 1)

@@ -13,9 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvoffload as kvo
-from kvoffload.backends import resolve_backend
+from kvoffload.backends import CpuBackend, resolve_backend
 from kvoffload.backends._threaded import CompletionInbox, Run, plan_runs
-from kvoffload.backends.cpu import CpuBackend
 
 
 def test_plan_runs_makes_one_block_per_run_of_consecutive_pages() -> None:
@@ -145,7 +144,7 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     """A torch error inside one copy is that transfer's failure; the worker thread
     lives on and copies the next transfer. (Transfers queued together are copied as one
     merged copy; when that fails, each is copied alone to find the one that fails.)"""
-    import kvoffload.backends.cpu as cpu_mod
+    import kvoffload.backends._cpu as cpu_mod
     from kvoffload.abc import Transfer
 
     real = cpu_mod.copy_transfer
@@ -179,7 +178,7 @@ def test_cpu_stream_copies_queued_transfers_as_one_merged_copy(monkeypatch: pyte
     """Transfers queued together are copied by one merged copy (their runs of
     consecutive pages join into one block); if that copy fails, each is copied alone so
     only the transfer that fails is failed."""
-    import kvoffload.backends.cpu as cpu_mod
+    import kvoffload.backends._cpu as cpu_mod
     from kvoffload.abc import Transfer
     from kvoffload.backends._threaded import CompletionInbox, CopyHooks
 

@@ -53,7 +53,7 @@ from kvoffload.pools import EnginePages as EnginePagesType
 if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, EnginePages, HostPool
 
-__all__ = ["CudaBackend", "EventStream", "InFlight", "order_after", "poll_completions", "queue_copy"]
+__all__ = ["CudaBackend"]
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
