@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.backends._sim import SimBackend
+from kvoffload.core.lifecycle import LifecycleId
 from kvoffload.errors import BackendError
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool

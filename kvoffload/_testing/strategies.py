@@ -17,6 +17,7 @@ from kvoffload.errors import PoolExhausted
 
 if TYPE_CHECKING:
     from kvoffload.backends._sim import SimBackend
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.drivers.asyncio import OffloadManager
 
 __all__ = ["Request", "Schedule", "Step", "completion_orders", "request_streams", "run_schedule", "schedules"]

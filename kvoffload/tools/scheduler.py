@@ -41,6 +41,7 @@ from typing import Any
 
 import anyio
 
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
