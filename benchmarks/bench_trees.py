@@ -34,7 +34,7 @@ import json, statistics, time
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
 
-N, PAGE, STRIDE, INNER = 512, 16, 64, 5
+N, PAGE, STRIDE, INNER = 512, 16, 64, 12
 config = kvo.OffloadConfig(
     page_size=PAGE, stride=STRIDE, device_pages=N * (1 + (3 * INNER + 4) * STRIDE // PAGE),
     host_pages=N * STRIDE // PAGE * 2, kv_shape=(1,), dtype="uint8",
@@ -63,6 +63,8 @@ for kind in ("per-request", "batched"):
         if r:  # the first round warms up
             times.append(((t1 - t0) + (t3 - t2)) / (N * STRIDE))
     mgr.check_invariants()
+    st = mgr.statistics()
+    out[kind + " work"] = [st.chunks_submitted, st.pages_copied, st.completions_delivered]
     for lc in lcs:
         lc.abort()
     mgr.close()
@@ -71,12 +73,13 @@ print(json.dumps(out))
 """
 
 
-def run(tree: Path) -> dict[str, float]:
+def run(tree: Path) -> dict[str, float | list[int]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
         [sys.executable, "-c", WORKER], env=env, cwd=tree, capture_output=True, text=True, check=True
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    out: dict[str, float | list[int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 def main() -> None:
@@ -96,9 +99,14 @@ def main() -> None:
             order.reverse()
         got = {name: run(tree) for name, tree in order}
         for kind in ratios:
-            ratios[kind].append(got["after"][kind] / got["before"][kind])
-            for name in got:
-                seen[name][kind].append(got[name][kind])
+            work = got["before"][kind + " work"]
+            if got["after"][kind + " work"] != work:  # the same steps must do the same work
+                raise SystemExit(f"{kind}: the trees did different work: {got}")
+            before, after = got["before"][kind], got["after"][kind]
+            assert isinstance(before, float) and isinstance(after, float)
+            ratios[kind].append(after / before)
+            seen["before"][kind].append(before)
+            seen["after"][kind].append(after)
     print(f"{args.rounds} rounds, interleaved; median us per request-step:")
     for name in ("before", "after"):
         print(

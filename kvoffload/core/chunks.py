@@ -42,6 +42,8 @@ _FINISHING = LifecycleState.FINISHING.value
 _RELEASED = LifecycleState.RELEASED.value
 #: ``lc.due`` once offload of a lifecycle stopped at a hole (F33): no chunk is ever due.
 NEVER = 1 << 62
+#: Where submit goes from each state with a copy in flight and nothing deferred.
+_SUBMIT_DEST = tuple(row[_SUBMIT][2] for row in TABLE)
 #: TABLE's chunk_done row of each state (by guard bits): the delivery loop's one lookup.
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
@@ -212,7 +214,8 @@ class Chunks:
         self.inflight[t.id] = t
         self.next_seq += 1
         events = self.events
-        requiet(lc, events.observed)
+        if lc._row < 0:  # (a batch row's fast path stays closed: its _quiet is -1)
+            requiet(lc, events.observed)
         c = self.counters
         npages = len(host)
         c.chunks_submitted += 1
@@ -230,7 +233,9 @@ class Chunks:
                 first_token=t.first_token,
                 stream=t.stream,
             )
-        self.registry.fire(lc, _SUBMIT, now)
+            self.registry.fire(lc, _SUBMIT, now)
+        elif _SUBMIT_DEST[lc._s] != lc._s:  # (unobserved, a step that stays is no step)
+            self.registry.fire(lc, _SUBMIT, now)
 
     def flush(self, lc: Lifecycle, refusal_raises: bool = False) -> None:
         """The tail flush (F12): submit every whole page not yet submitted, one host-sized
