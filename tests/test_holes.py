@@ -297,7 +297,7 @@ async def test_after_a_deferred_chunk_expires_the_next_chunk_starts_at_the_first
         backend.complete(backend.pending[0])  # the hog's copy: the page is free again
         await mgr.settle()
         step(tokens[5:9])  # the next stride is due
-        (t,) = [t for t in backend.pending if t.lifecycle is lc]
+        (t,) = [t for t in backend.pending if t.lifecycle_id == lc.id]
         assert t.first_token == 4, f"the next chunk starts at token {t.first_token}: page 1 skipped"
         backend.complete(t)
         await mgr.settle()
@@ -387,8 +387,7 @@ class _WritesInCompletionOrder(OffloadCore):
     """v2's write-behind: a chunk's write goes out when its copy completes, ahead of an
     earlier chunk still in flight."""
 
-    def _queue_write(self, t: Transfer) -> None:
-        lc = t.lifecycle
+    def _queue_write(self, lc: Lifecycle, t: Transfer) -> None:
         job = WriteJob(t.id, t.keys, t.host_pages, lc.id, lc.rid, first_token=t.first_token)
         self.writes[t.id] = job
         self._write_out.append(job)

@@ -26,7 +26,7 @@ from kvoffload.abc import Completion, Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.keys import chain_keys_packed, pack_tokens, page_run_digests
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.lifecycle.core import Lifecycle, LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.testing import CoreLifecycleMachine, LifecycleMachine, open_arguments, programs, run_program
 
@@ -36,15 +36,16 @@ _FINISHING = LifecycleState.FINISHING.value
 class OneAtATime(OffloadCore):
     """The base of the mutants that change how one completion is applied: the core's
     own delivery path (``_apply``, what ``complete`` calls), given the batch one
-    completion at a time, each through :meth:`deliver` - which a mutant wraps. (No
+    completion at a time, each through :meth:`deliver` - which a mutant wraps; it is
+    given the transfer the completion names (in flight: ``self.inflight[id]``). (No
     hook in the core: the mutant overrides the method the real path calls.)"""
 
     def _apply(self, batch: Iterable[Completion], now: float) -> None:
-        for t, error in batch:
-            self.deliver(t, error, now)
+        for tid, error in batch:
+            self.deliver(self.inflight[tid], error, now)
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        super()._apply(((t, error),), now)
+        super()._apply(((t.id, error),), now)
 
 
 class RoutedByRequestId(OneAtATime):
@@ -52,9 +53,9 @@ class RoutedByRequestId(OneAtATime):
     request id, not to the lifecycle that issued it."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        same_rid = [lc for lc in self.live.values() if lc.rid == t.lifecycle.rid]
+        same_rid = [lc for lc in self.live.values() if lc.rid == t.rid]
         if same_rid:
-            t.lifecycle = same_rid[-1]
+            t.lifecycle_id = same_rid[-1].id  # the core reaches the lifecycle of this id
         super().deliver(t, error, now)
 
 
@@ -63,8 +64,9 @@ class FreedMidDecode(OneAtATime):
     the request is still decoding."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        lc = self.live[LifecycleId(t.lifecycle_id)]
         super().deliver(t, error, now)
-        if error is None and not t.lifecycle.released:
+        if error is None and not lc.released:
             self.device_pool.free(t.device_pages)
 
 
@@ -72,7 +74,7 @@ class FirstCompletionReleases(OneAtATime):
     """F5: a finished request with two chunks in flight is released by the first."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        lc = t.lifecycle
+        lc = self.live[LifecycleId(t.lifecycle_id)]
         if lc._s == _FINISHING and lc.inflight > 1:
             lc.inflight = 1  # "this request is done": the other chunk is forgotten
         super().deliver(t, error, now)
@@ -86,9 +88,10 @@ class ReleasedTwice(OneAtATime):
         super()._release(lc)
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        lc = self.live[LifecycleId(t.lifecycle_id)]
         super().deliver(t, error, now)
         released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
-        if released is not None and released[0] is t.lifecycle:
+        if released is not None and released[0] is lc:
             self._last_released = None
             self.device_pool.free(released[1])  # the second release
 
@@ -112,9 +115,9 @@ class KeysAtCompletion(OneAtATime):
         return submitted
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        prev = self._last_key.get(t.lifecycle.id)
+        prev = self._last_key.get(t.lifecycle_id)
         t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
-        self._last_key[t.lifecycle.id] = t.keys[-1]
+        self._last_key[t.lifecycle_id] = t.keys[-1]
         super().deliver(t, error, now)
 
 
@@ -147,7 +150,7 @@ class AbortLeaksInflight(OneAtATime):
     slot are never returned."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        if t.lifecycle.aborted:
+        if self.live[LifecycleId(t.lifecycle_id)].aborted:
             del self.inflight[t.id]
             return
         super().deliver(t, error, now)

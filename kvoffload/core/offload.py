@@ -815,7 +815,7 @@ class OffloadCore:
         except BaseException:
             self.host_pool.free(host)
             raise
-        self._accepted(t, digests)
+        self._accepted(lc, t, digests)
         self._requiet(lc)
         c = self.counters
         c.chunks_submitted += 1
@@ -848,10 +848,9 @@ class OffloadCore:
         t.seq = self.next_seq
         return t
 
-    def _accepted(self, t: Transfer, digests: list[bytes]) -> None:
-        """The mover accepted ``t``: its tokens leave the tail, the chain moves on to its
-        last page, the next chunk is due a stride on, and it is in flight."""
-        lc = t.lifecycle
+    def _accepted(self, lc: Lifecycle, t: Transfer, digests: list[bytes]) -> None:
+        """The mover accepted ``t``, ``lc``'s copy: its tokens leave the tail, the chain
+        moves on to its last page, the next chunk is due a stride on, and it is in flight."""
         del lc._tail[: t.n_tokens]
         lc.submitted += t.n_tokens
         lc._chain = digests[-1]
@@ -905,7 +904,7 @@ class OffloadCore:
                         if h is not None:
                             self.host_pool.free(h)
                     raise
-                self._accepted(t, digests)
+                self._accepted(lc, t, digests)
                 chunks += 1
                 pages += len(host)
                 s = lc._s  # TABLE's submit step from PENDING or OFFLOADING, copies in flight
@@ -1033,10 +1032,11 @@ class OffloadCore:
     # --- completions ---------------------------------------------------------------------
 
     def complete(self, batch: Sequence[Completion], now: float | None = None) -> list[Lifecycle]:
-        """Apply a batch of completions, in order, each to the lifecycle that issued it
-        (the transfer holds it; F1). Returns the lifecycles the batch released.
+        """Apply a batch of completions (transfer id, error), in order, each to the
+        lifecycle that issued it (the transfer's ``lifecycle_id``, never its request id;
+        F1). Returns the lifecycles the batch released.
 
-        A completion that names a transfer not in flight (delivered twice, never
+        A completion that names a transfer id not in flight (delivered twice, never
         submitted: a mover's bug) raises :class:`~kvoffload.KVOffloadError` when the loop
         reaches it: the completions before it are applied, the ledger is consistent,
         and those after it are not applied (still in flight: deliver them again; the
@@ -1062,6 +1062,7 @@ class OffloadCore:
         ``_pump_deferred`` - and on the way out, normally or by an exception.
         """
         inflight = self.inflight
+        live = cast("dict[int, Lifecycle]", self.live)  # by a transfer's lifecycle_id
         rows = _DONE_ROWS
         counts = self.state_counts
         fire = self._fire
@@ -1070,10 +1071,12 @@ class OffloadCore:
         chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
         held: list[int] = []  # their host pages, not yet returned (none with storage)
         try:
-            for t, error in batch:
-                if inflight.pop(t.id, None) is None:
-                    raise KVOffloadError(f"{t!r} completed twice or was never submitted")
-                lc = t.lifecycle
+            for tid, error in batch:
+                t = inflight.pop(tid, None)
+                if t is None:
+                    raise KVOffloadError(f"transfer #{tid} completed twice or was never submitted")
+                # A lifecycle with a copy in flight is never RELEASED, so it is live.
+                lc = live[t.lifecycle_id]
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
@@ -1092,7 +1095,7 @@ class OffloadCore:
                         host = t.host_pages
                         pages += len(host)
                         if store:
-                            self._queue_write(t)
+                            self._queue_write(lc, t)
                         else:
                             held += host
                         if dest != s:
@@ -1109,7 +1112,7 @@ class OffloadCore:
                     chunks = pages = 0
                     held = []
                     self._credit(*credit)
-                e = self._account(t, error, now)
+                e = self._account(lc, t, error, now)
                 fire(lc, e, now)
                 if lc._quiet_ev is not None:
                     self._notify_quiet(lc)
@@ -1120,12 +1123,11 @@ class OffloadCore:
             if chunks:
                 self._credit(chunks, pages, held)
 
-    def _queue_write(self, t: Transfer) -> None:
-        """``t`` was copied: its write job goes out now when every earlier chunk of its
+    def _queue_write(self, lc: Lifecycle, t: Transfer) -> None:
+        """``t``, ``lc``'s copy, was copied: its write job goes out now when every earlier chunk of its
         lifecycle was copied (``t`` starts at ``lc._front``), followed by the later ones
         that waited for it; else it waits (held) - so a request's writes reach the store
         in chain order whatever order its copies completed in (F33)."""
-        lc = t.lifecycle
         chain = lc._wchain
         if chain is None:
             chain = lc._wchain = _Chain(lc)
@@ -1201,10 +1203,10 @@ class OffloadCore:
         if held:
             self.host_pool.free(held)
 
-    def _account(self, t: Transfer, error: BaseException | None, now: float) -> int:
-        """The ledger part of one completion, written at once, then its log line and
-        events (the ledger balances when they run). Returns the event to fire."""
-        lc = t.lifecycle
+    def _account(self, lc: Lifecycle, t: Transfer, error: BaseException | None, now: float) -> int:
+        """The ledger part of one completion (``t``, issued by ``lc``), written at once,
+        then its log line and events (the ledger balances when they run). Returns the
+        event to fire."""
         host = t.host_pages
         npages = len(host)
         c = self.counters
@@ -1227,7 +1229,7 @@ class OffloadCore:
                     failures_since_last_log=held,
                 )
             if self.listeners:
-                self._emit_delivery("transfer.failed", t, now, error=repr(error))
+                self._emit_delivery("transfer.failed", lc, t, now, error=repr(error))
             return _FAILED
         if lc._aborted or 0 <= lc._stop <= t.first_token:  # aborted, or after a hole (F33)
             c.chunks_inflight -= 1
@@ -1237,14 +1239,14 @@ class OffloadCore:
             self.host_pool.free(host)
             name = "transfer.discarded"
         elif self.has_storage:
-            self._queue_write(t)
+            self._queue_write(lc, t)
             self._credit(1, npages, [])
             name = "transfer.completed"
         else:
             self._credit(1, npages, host)
             name = "transfer.completed"
         if self.observed:
-            self._emit_delivery(name, t, now)
+            self._emit_delivery(name, lc, t, now)
         return _DONE
 
     # --- storage write-behind ------------------------------------------------------------
@@ -1483,11 +1485,11 @@ class OffloadCore:
                 log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
             log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
 
-    def _emit_delivery(self, name: str, t: Transfer, now: float, **extra: Any) -> None:
+    def _emit_delivery(self, name: str, lc: Lifecycle, t: Transfer, now: float, **extra: Any) -> None:
         npages = len(t.host_pages)
         self.emit(
             name,
-            t.lifecycle,
+            lc,
             transfer=t.id,
             pages=npages,
             bytes=npages * self.page_bytes,

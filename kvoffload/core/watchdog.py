@@ -32,7 +32,7 @@ def stuck_lifecycles(mgr: OffloadCore) -> list[tuple[LifecycleId, Transfer, floa
     oldest: dict[LifecycleId, Transfer] = {}
     for t in mgr.inflight.values():
         if now - t.submitted_at > limit:
-            lid = t.lifecycle.id
+            lid = LifecycleId(t.lifecycle_id)
             seen = oldest.get(lid)
             if seen is None or t.submitted_at < seen.submitted_at:
                 oldest[lid] = t
@@ -46,7 +46,7 @@ def report_stuck(mgr: OffloadCore) -> None:
         if t.id in reported:
             continue
         reported.add(t.id)
-        lc = t.lifecycle
+        lc = mgr.live[lid]  # a lifecycle with a copy in flight is never RELEASED: live
         mgr.counters.stuck_reports += 1
         logger.warning(
             "lifecycle.stuck",
