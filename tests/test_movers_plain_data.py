@@ -200,3 +200,27 @@ def test_a_completion_naming_an_unknown_id_is_refused_and_changes_nothing() -> N
     core.complete([(t.id, None) for t in jobs])
     assert not core.inflight and core.host_pool.used == 0
     core.check_invariants()
+
+
+def test_a_completion_whose_lifecycle_is_not_live_is_refused_and_changes_nothing() -> None:
+    """The core finds a completion's lifecycle by the transfer's ``lifecycle_id`` among
+    the live ones (a lifecycle with a copy in flight is never RELEASED). Should that
+    break (a kvoffload bug, stood in for here by a rewritten id), the completion raises
+    :class:`~kvoffload.InvariantViolation` naming the transfer, and nothing is applied:
+    the transfer stays in flight, the ledger and the lifecycles are as they were."""
+    core, jobs = _core()
+    lc = core.admit("r", prompt=[])
+    lc.extend([1, 2, 3, 4])
+    (t,) = jobs
+    real = t.lifecycle_id
+    t.lifecycle_id = real + 1000  # no such live lifecycle
+    before = (core.statistics().as_dict(), lc.state, lc.inflight, core.host_pool.used, list(core.inflight))
+    with pytest.raises(kvo.InvariantViolation, match="its lifecycle is not live"):
+        core.complete([(t.id, None)])
+    after = (core.statistics().as_dict(), lc.state, lc.inflight, core.host_pool.used, list(core.inflight))
+    assert after == before
+    t.lifecycle_id = real
+    core.check_invariants()
+    core.complete([(t.id, None)])
+    assert not core.inflight and lc.inflight == 0
+    core.check_invariants()

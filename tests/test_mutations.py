@@ -47,6 +47,11 @@ class OneAtATime(OffloadCore):
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
         super()._apply(((t.id, error),), now)
 
+    def issuer(self, t: Transfer) -> Lifecycle | None:
+        """The lifecycle the core will apply ``t`` to (by its id; None once a mutant
+        released it with the copy still in flight)."""
+        return self.live.get(LifecycleId(t.lifecycle_id))
+
 
 class RoutedByRequestId(OneAtATime):
     """F1: a completion is applied to the newest live lifecycle with the transfer's
@@ -64,9 +69,9 @@ class FreedMidDecode(OneAtATime):
     the request is still decoding."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        lc = self.live[LifecycleId(t.lifecycle_id)]
+        lc = self.issuer(t)
         super().deliver(t, error, now)
-        if error is None and not lc.released:
+        if error is None and lc is not None and not lc.released:
             self.device_pool.free(t.device_pages)
 
 
@@ -74,8 +79,8 @@ class FirstCompletionReleases(OneAtATime):
     """F5: a finished request with two chunks in flight is released by the first."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        lc = self.live[LifecycleId(t.lifecycle_id)]
-        if lc._s == _FINISHING and lc.inflight > 1:
+        lc = self.issuer(t)
+        if lc is not None and lc._s == _FINISHING and lc.inflight > 1:
             lc.inflight = 1  # "this request is done": the other chunk is forgotten
         super().deliver(t, error, now)
 
@@ -88,7 +93,7 @@ class ReleasedTwice(OneAtATime):
         super()._release(lc)
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        lc = self.live[LifecycleId(t.lifecycle_id)]
+        lc = self.issuer(t)
         super().deliver(t, error, now)
         released: tuple[Lifecycle, list[int]] | None = getattr(self, "_last_released", None)
         if released is not None and released[0] is lc:
@@ -150,7 +155,8 @@ class AbortLeaksInflight(OneAtATime):
     slot are never returned."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        if self.live[LifecycleId(t.lifecycle_id)].aborted:
+        lc = self.issuer(t)
+        if lc is not None and lc.aborted:
             del self.inflight[t.id]
             return
         super().deliver(t, error, now)

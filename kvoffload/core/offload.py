@@ -33,6 +33,7 @@ from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import (
     InvalidTokens,
     InvalidTransition,
+    InvariantViolation,
     KVOffloadError,
     ManagerClosed,
     PageError,
@@ -1072,11 +1073,14 @@ class OffloadCore:
         held: list[int] = []  # their host pages, not yet returned (none with storage)
         try:
             for tid, error in batch:
-                t = inflight.pop(tid, None)
+                t = inflight.get(tid)
                 if t is None:
                     raise KVOffloadError(f"transfer #{tid} completed twice or was never submitted")
                 # A lifecycle with a copy in flight is never RELEASED, so it is live.
-                lc = live[t.lifecycle_id]
+                lc = live.get(t.lifecycle_id)
+                if lc is None:  # that invariant broken (a kvoffload bug): nothing applied
+                    raise InvariantViolation(f"{t!r} completed, but its lifecycle is not live")
+                del inflight[tid]
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
