@@ -44,6 +44,7 @@ from kvoffload.backends._threaded import ThreadedBackend
 class _Owner:
     id = 0
     rid = "bench"
+    tag = None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -55,7 +56,7 @@ async def _backend_copy(backend: EventBackend, chunks: list[tuple[list[int], lis
     """Seconds to submit every chunk and receive every completion."""
     t0 = time.perf_counter()
     for dev, host in chunks:
-        backend.submit(Transfer(_Owner(), dev, host, [], 0, 0, 0.0))  # type: ignore[arg-type]
+        backend.submit(Transfer(_Owner(), dev, host, [], 0, 0, 0.0))
     backend.launch()  # the driver's next turn: the accepted copies start
     n = 0
     while n < len(chunks):

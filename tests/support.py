@@ -14,6 +14,17 @@ from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.testing import SimBackend
 
 
+class PlainIssuer:
+    """A stand-in for the lifecycle a hand-made transfer is issued by (an
+    :class:`kvoffload.abc.Issuer`): backends never read it, the transfer copies its
+    ``id``, ``rid`` and ``tag``."""
+
+    def __init__(self, id: int = 0, rid: Any = None, tag: Any = None) -> None:
+        self.id = id
+        self.rid = rid
+        self.tag = tag
+
+
 class FakeClock:
     """A virtual clock for ``OffloadManager(..., clock=...)``: moves only when told."""
 

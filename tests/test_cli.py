@@ -128,10 +128,14 @@ class SwapsSharedIdsInABatch(Chunks):
 
     def apply(self, batch: Iterable[Completion], now: float) -> None:
         batch = list(batch)
-        for i, (t, _) in enumerate(batch):
-            for u, _ in batch[i + 1 :]:
-                if u.lifecycle is not t.lifecycle and u.lifecycle.rid == t.lifecycle.rid:
-                    t.lifecycle, u.lifecycle = u.lifecycle, t.lifecycle
+        # The core reaches a completion's lifecycle by its transfer's lifecycle_id: swap those.
+        ts = [self.inflight.get(tid) for tid, _ in batch]
+        for i, t in enumerate(ts):
+            for u in ts[i + 1 :]:
+                if t is None or u is None:
+                    continue
+                if u.lifecycle_id != t.lifecycle_id and u.rid == t.rid:
+                    t.lifecycle_id, u.lifecycle_id = u.lifecycle_id, t.lifecycle_id
                     break
         super().apply(batch, now)
 
@@ -328,7 +332,7 @@ async def test_the_monitor_checks_the_late_completion_of_the_readme_story() -> N
         old, new = lcs
         old.finish()
         late = backend.pending[0]
-        assert late.lifecycle is old
+        assert late.lifecycle_id == old.id
         backend.complete(late)
         await old.wait_released()
         assert monitor.late_completions == 1 and monitor.checked == monitor.bytes_checked == 1

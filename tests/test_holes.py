@@ -299,7 +299,7 @@ async def test_after_a_deferred_chunk_expires_the_next_chunk_starts_at_the_first
         backend.complete(backend.pending[0])  # the hog's copy: the page is free again
         await mgr.settle()
         step(tokens[5:9])  # the next stride is due
-        (t,) = [t for t in backend.pending if t.lifecycle is lc]
+        (t,) = [t for t in backend.pending if t.lifecycle_id == lc.id]
         assert t.first_token == 4, f"the next chunk starts at token {t.first_token}: page 1 skipped"
         backend.complete(t)
         await mgr.settle()

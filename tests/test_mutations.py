@@ -27,7 +27,7 @@ from support import broken_parts
 
 from kvoffload.abc import Completion, Transfer
 from kvoffload.core.chunks import Chunks
-from kvoffload.core.lifecycle import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle, LifecycleId
 from kvoffload.core.registry import Registry
 from kvoffload.keys import chain_keys_packed, pack_tokens, page_run_digests
 from kvoffload.lifecycle.spec import LifecycleState
@@ -46,11 +46,16 @@ class OneAtATime(Chunks):
     hook in the core: the mutant overrides the method the real path calls.)"""
 
     def apply(self, batch: Iterable[Completion], now: float) -> None:
-        for t, error in batch:
-            self.deliver(t, error, now)
+        for tid, error in batch:
+            self.deliver(self.inflight[tid], error, now)
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        super().apply(((t, error),), now)
+        super().apply(((t.id, error),), now)
+
+    def issuer(self, t: Transfer) -> Lifecycle | None:
+        """The lifecycle the core will apply ``t`` to (by its id; None once a mutant
+        released it with the copy still in flight)."""
+        return self.registry.live.get(LifecycleId(t.lifecycle_id))
 
 
 class RoutedByRequestId(OneAtATime):
@@ -58,9 +63,9 @@ class RoutedByRequestId(OneAtATime):
     request id, not to the lifecycle that issued it."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        same_rid = [lc for lc in self.registry.live.values() if lc.rid == t.lifecycle.rid]
+        same_rid = [lc for lc in self.registry.live.values() if lc.rid == t.rid]
         if same_rid:
-            t.lifecycle = same_rid[-1]
+            t.lifecycle_id = same_rid[-1].id  # the core reaches the lifecycle of this id
         super().deliver(t, error, now)
 
 
@@ -69,8 +74,9 @@ class FreedMidDecode(OneAtATime):
     the request is still decoding."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        lc = self.issuer(t)
         super().deliver(t, error, now)
-        if error is None and not t.lifecycle.released:
+        if error is None and lc is not None and not lc.released:
             self.registry.device_pool.free(t.device_pages)
 
 
@@ -78,8 +84,8 @@ class FirstCompletionReleases(OneAtATime):
     """F5: a finished request with two chunks in flight is released by the first."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        lc = t.lifecycle
-        if lc._s == _FINISHING and lc.inflight > 1:
+        lc = self.issuer(t)
+        if lc is not None and lc._s == _FINISHING and lc.inflight > 1:
             lc.inflight = 1  # "this request is done": the other chunk is forgotten
         super().deliver(t, error, now)
 
@@ -98,11 +104,12 @@ class ReleasedTwice(OneAtATime):
     """F8: the completion path frees the device pages again after the finish path did."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
+        lc = self.issuer(t)
         super().deliver(t, error, now)
         registry = self.registry
         assert isinstance(registry, RemembersReleases)
         released = registry.last_released
-        if released is not None and released[0] is t.lifecycle:
+        if released is not None and released[0] is lc:
             registry.last_released = None
             registry.device_pool.free(released[1])  # the second release
 
@@ -126,9 +133,9 @@ class KeysAtCompletion(OneAtATime):
         return submitted
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        prev = self._last_key.get(t.lifecycle.id)
+        prev = self._last_key.get(t.lifecycle_id)
         t.keys = chain_keys_packed(prev, pack_tokens(self._tokens.pop(t.id)), self.config.page_size)
-        self._last_key[t.lifecycle.id] = t.keys[-1]
+        self._last_key[t.lifecycle_id] = t.keys[-1]
         super().deliver(t, error, now)
 
 
@@ -160,7 +167,8 @@ class AbortLeaksInflight(OneAtATime):
     slot are never returned."""
 
     def deliver(self, t: Transfer, error: BaseException | None, now: float) -> None:
-        if t.lifecycle.aborted:
+        lc = self.issuer(t)
+        if lc is not None and lc.aborted:
             del self.inflight[t.id]
             return
         super().deliver(t, error, now)

@@ -346,7 +346,7 @@ def signature(m: _Explorer) -> tuple[Any, ...]:
         return tuple(names.setdefault(p, len(names)) for p in pages)
 
     def key(t: Any) -> tuple[int, int, int]:
-        return (index.get(t.lifecycle.id, -1), t.first_token, t.n_tokens)
+        return (index.get(t.lifecycle_id, -1), t.first_token, t.n_tokens)
 
     lcs = []
     for lc in held:

@@ -124,7 +124,7 @@ class EventStream(StreamWorker[InFlight]):
         item.keep = ()
         if self._hooks.after is not None:
             self._hooks.after(item.transfer)
-        return (item.transfer, None)
+        return (item.transfer.id, None)
 
     def finish(self, item: InFlight) -> Completion:
         """Block this thread until ``item``'s copy completed (query fast path first)."""
@@ -135,7 +135,7 @@ class EventStream(StreamWorker[InFlight]):
         if error is not None:  # the bytes have landed; report the injected failure
             self._recycle(ev)
             item.keep = ()
-            return (item.transfer, error)
+            return (item.transfer.id, error)
         return self._consumed(item)
 
     def done_nowait(self, item: InFlight) -> Completion | None:

@@ -23,7 +23,7 @@ from kvoffload.core.lifecycle import Lifecycle, requiet
 from kvoffload.core.registry import Registry
 from kvoffload.core.stats import Counters
 from kvoffload.core.writes import Writes
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import InvariantViolation, KVOffloadError
 from kvoffload.keys import page_run_digests
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
@@ -332,8 +332,9 @@ class Chunks:
     # --- completions ---------------------------------------------------------------------
 
     def complete(self, batch: Sequence[Completion], now: float) -> None:
-        """Apply a batch of completions, in order, each to the lifecycle that issued it
-        (F1). A completion that names a transfer not in flight raises
+        """Apply a batch of completions (transfer id, error), in order, each to the
+        lifecycle that issued it (the transfer's ``lifecycle_id``, never its request id;
+        F1). A completion that names a transfer id not in flight raises
         :class:`~kvoffload.KVOffloadError` when the loop reaches it: the completions
         before it are applied, the ledger is consistent, those after it are not."""
         c = self.counters
@@ -362,11 +363,17 @@ class Chunks:
         store = self.storage
         chunks = pages = 0  # copied chunks (and their pages) not yet in the counters
         held: list[int] = []  # their host pages, not yet returned (none with storage)
+        live = self.registry.live
         try:
-            for t, error in batch:
-                if inflight.pop(t.id, None) is None:
-                    raise KVOffloadError(f"{t!r} completed twice or was never submitted")
-                lc = t.lifecycle
+            for tid, error in batch:
+                t = inflight.get(tid)
+                if t is None:
+                    raise KVOffloadError(f"transfer #{tid} completed twice or was never submitted")
+                # A lifecycle with a copy in flight is never RELEASED, so it is live.
+                lc = live.get(t.lifecycle_id)  # type: ignore[call-overload]
+                if lc is None:  # that invariant broken (a kvoffload bug): nothing applied
+                    raise InvariantViolation(f"{t!r} completed, but its lifecycle is not live")
+                del inflight[tid]
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvoffload.core.lifecycle import EXTEND_SELF_LOOP
+from kvoffload.core.lifecycle import EXTEND_SELF_LOOP, LifecycleId
 from kvoffload.errors import InvariantViolation
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState
@@ -131,12 +131,15 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
     for t in chunks.inflight.values():
         expect(prev_seq < t.seq < chunks.next_seq, lambda: f"{t!r}: seq {t.seq} out of submission order")
         prev_seq = t.seq
-        expect(t.lifecycle._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
-        expect(t.lifecycle.id in registry.live, lambda: f"{t!r} in flight for an unregistered lifecycle")
-        expect(
-            set(t.device_pages) <= set(t.lifecycle.device_pages),
-            lambda: f"{t!r} reads device pages its lifecycle does not hold",
-        )
+        # Its lifecycle, by id: a lifecycle with a copy in flight is never RELEASED (live).
+        owner = registry.live.get(LifecycleId(t.lifecycle_id))
+        expect(owner is not None, lambda: f"{t!r} in flight for an unregistered lifecycle")
+        if owner is not None:
+            expect(owner._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
+            expect(
+                set(t.device_pages) <= set(owner.device_pages),
+                lambda: f"{t!r} reads device pages its lifecycle does not hold",
+            )
         expect(
             not sharing or not any(shared(p) for p in t.device_pages),
             lambda: f"{t!r} reads a stored prefix page (shared, never copied)",

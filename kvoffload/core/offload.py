@@ -385,10 +385,11 @@ class OffloadCore:
     # --- completions and writes ----------------------------------------------------------
 
     def complete(self, batch: Sequence[Completion], now: float | None = None) -> list[Lifecycle]:
-        """Apply a batch of completions, in order, each to the lifecycle that issued it
-        (F1). Returns the lifecycles the batch released.
+        """Apply a batch of completions (transfer id, error), in order, each to the
+        lifecycle that issued it (the transfer's ``lifecycle_id``, never its request id;
+        F1). Returns the lifecycles the batch released.
 
-        A completion that names a transfer not in flight (delivered twice, never
+        A completion that names a transfer id not in flight (delivered twice, never
         submitted: a mover's bug) raises :class:`~kvoffload.KVOffloadError` when the loop
         reaches it: the completions before it are applied, the ledger is consistent,
         and those after it are not applied (still in flight: deliver them again; the

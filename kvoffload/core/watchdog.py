@@ -43,7 +43,7 @@ class Watchdog:
         oldest: dict[LifecycleId, Transfer] = {}
         for t in self.chunks.inflight.values():
             if now - t.submitted_at > limit:
-                lid = t.lifecycle.id
+                lid = LifecycleId(t.lifecycle_id)
                 seen = oldest.get(lid)
                 if seen is None or t.submitted_at < seen.submitted_at:
                     oldest[lid] = t

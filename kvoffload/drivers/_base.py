@@ -212,10 +212,10 @@ class DriverBase:
         except KVOffloadError as exc:
             seen: set[int] = set()
             known = []
-            for t, e in batch:
-                if t.id in core.inflight and t.id not in seen:
-                    seen.add(t.id)
-                    known.append((t, e))
+            for tid, e in batch:
+                if tid in core.inflight and tid not in seen:
+                    seen.add(tid)
+                    known.append((tid, e))
             logger.error(
                 "manager.step_failed", step="deliver", skipped=len(batch) - len(known), error=repr(exc)
             )

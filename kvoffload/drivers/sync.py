@@ -326,7 +326,7 @@ class SyncOffloadManager(DriverBase):
                 results = writer.take_results()
         else:
             if backend.ready or backend.needs_polling:
-                tp.hold_copies(backend.take_completions())
+                tp.hold_copies(backend.take_completions(), core)
             if writer is not None:
                 tp.hold_writes(writer.take_results())
             agreed = tp.exchange(kind, core, limit=max_completions, late=late)

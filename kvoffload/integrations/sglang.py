@@ -909,7 +909,7 @@ class DecodeKVCacheOffloadManager:
                 inflight=lc.inflight,
                 hint="call drain_before_retraction() before retracting",
             )
-            mine = [t.first_token for t in self.manager.core.inflight.values() if t.lifecycle is lc]
+            mine = [t.first_token for t in self.manager.core.inflight.values() if t.lifecycle_id == lc.id]
             stored = min(mine, default=stored)
             chain = self._chain_at(e, e.base + stored)
         e.resume = (e.base + stored, chain)

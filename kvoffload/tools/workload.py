@@ -174,11 +174,11 @@ class FaultyBackend(EventBackend):
 
     def take_completions(self, max_completions: int | None = None) -> list[Completion]:
         out: list[Completion] = []
-        for t, err in self.inner.take_completions(max_completions):
+        for tid, err in self.inner.take_completions(max_completions):
             if err is None and self.rate and self._rng.random() < self.rate:
                 self.injected += 1
-                err = BackendError(f"injected copy failure of transfer {t.id}")
-            out.append((t, err))
+                err = BackendError(f"injected copy failure of transfer {tid}")
+            out.append((tid, err))
         return out
 
     @property
