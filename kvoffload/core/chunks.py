@@ -13,11 +13,11 @@ hole: the lifecycle's offload stops there (F33).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvoffload.abc import Completion, Transfer
+from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, RateLimit, logger
 from kvoffload.core.lifecycle import Lifecycle, requiet
 from kvoffload.core.registry import Registry
@@ -48,18 +48,6 @@ _SUBMIT_DEST = tuple(row[_SUBMIT][2] for row in TABLE)
 _DONE_ROWS = tuple(row[_DONE] for row in TABLE)
 
 
-class Waiting(Protocol):
-    """What the chunks ask of the deferral FIFO (:class:`kvoffload.core.deferral.HostWait`)."""
-
-    queue: deque[Lifecycle]
-
-    def defer(self, lc: Lifecycle, npages: int) -> None: ...
-
-    def cancel(self, lc: Lifecycle) -> None: ...
-
-    def pump(self) -> None: ...
-
-
 class Chunks:
     """The chunks of one core, from submission to delivery.
 
@@ -73,7 +61,7 @@ class Chunks:
         host_pool: HostPool,
         registry: Registry,
         writes: Writes,
-        wait: Waiting,
+        wait: HostWait,
         events: Events,
         clock: Callable[[], float],
         accept: Callable[[Transfer], None],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload.core.events import Events
 from kvoffload.core.lifecycle import Lifecycle
@@ -23,14 +23,26 @@ from kvoffload.lifecycle.table import EVENT_INDEX
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
-    from kvoffload.core.chunks import Chunks
     from kvoffload.pools import HostPool
 
-__all__ = ["HostWait"]
+__all__ = ["HostWait", "Sender"]
 
 _DROPPED = EVENT_INDEX["chunk_dropped"]
 _FINISHING = LifecycleState.FINISHING.value
 _RELEASED = LifecycleState.RELEASED.value
+
+
+class Sender(Protocol):
+    """What the FIFO asks of the chunks (:class:`kvoffload.core.chunks.Chunks`) to retry
+    a waiting chunk, or to count it dropped."""
+
+    def submit(self, lc: Lifecycle, n: int) -> bool: ...
+
+    def flush(self, lc: Lifecycle) -> None: ...
+
+    def refused(self, lc: Lifecycle, npages: int, error: BaseException) -> None: ...
+
+    def drop(self, lc: Lifecycle, npages: int) -> None: ...
 
 
 class HostWait:
@@ -40,7 +52,7 @@ class HostWait:
     step's: a waiting lifecycle's batch row writes its tokens to its tail) are set by
     the core that wires the rooms."""
 
-    chunks: Chunks
+    chunks: Sender
     sync_row: Callable[[Lifecycle], None]
 
     def __init__(
