@@ -74,7 +74,7 @@ print(json.dumps(out))
 
 
 def run(tree: Path) -> dict[str, float | list[int]]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}  # the same dict layout in both
     done = subprocess.run(
         [sys.executable, "-c", WORKER], env=env, cwd=tree, capture_output=True, text=True, check=True
     )

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvoffload.core.lifecycle import Lifecycle
 
 import kvoffload as kvo
 import kvoffload.abc
 from kvoffload.abc import Completion, Transfer
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, HostPool
 from kvoffload.testing import SimBackend

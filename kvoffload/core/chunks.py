@@ -1,14 +1,13 @@
-"""Chunks: host pages, copies in flight in submission order, the deferral FIFO, drops
-and holes, and the delivery of completions.
+"""Chunks: host pages, copies in flight in submission order, drops and holes, and the
+delivery of completions.
 
 A chunk is the next whole pages of a lifecycle, copied to host pages as one
 :class:`~kvoffload.abc.Transfer`. :meth:`Chunks.submit` sends one; the batched decode
-step stages many (:meth:`Chunks.submit_run`): both plan each chunk the same way
-(:meth:`Chunks.plan`: how many tokens, which host pages) and send it the same way
-(:meth:`Chunks.send`: the mover's ``accept``, then the bookkeeping, then the table
-step; F10). A full host pool drops the chunk (retried a stride later) or defers it
-(``on_host_full="wait"``: the FIFO, retried as host pages return). A failed copy is a
-hole: the lifecycle's offload stops there (F33).
+step stages many (:meth:`Chunks.submit_run`): both plan each chunk alike
+(:meth:`Chunks.plan`: its tokens, its host pages) and send it alike (:meth:`Chunks.send`:
+the mover's ``accept``, the bookkeeping, the table step; F10). A full host pool drops
+the chunk (retried a stride later) or defers it (``on_host_full="wait"``: the FIFO of
+:mod:`kvoffload.core.deferral`). A failed copy is a hole: offload stops there (F33).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from kvoffload.abc import Completion, Transfer
 from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, RateLimit, logger
 from kvoffload.core.lifecycle import Lifecycle, requiet
-from kvoffload.core.registry import Registry
+from kvoffload.core.registry import QUIET_MOVES, Registry
 from kvoffload.core.stats import Counters
 from kvoffload.core.writes import Writes
 from kvoffload.errors import InvariantViolation, KVOffloadError
@@ -82,6 +81,10 @@ class Chunks:
         self.accept = accept
         self.streams = streams
         self.page_bytes = page_bytes
+        # The config's figures the submit path reads (a config never changes).
+        self._ps = config.page_size
+        self._stride = config.stride
+        self._most = config.host_pages * config.page_size  # one host-sized chunk's tokens
         # inflight: transfers accepted and not yet delivered, by id, in seq order.
         # Invariant: len(self.inflight) == self.counters.chunks_inflight == sum(lc.inflight)
         self.inflight: dict[int, Transfer] = {}
@@ -103,12 +106,11 @@ class Chunks:
         """The next chunk of ``lc`` for ``n`` due tokens (page-aligned): the tokens one
         host-sized chunk takes (0: nothing to send), and their host pages, taken now
         (None: the host pool is full)."""
-        most = self.config.host_pages * self.config.page_size
-        if n > most:
-            n = most
+        if n > self._most:
+            n = self._most
         if n <= 0:
             return n, None
-        return n, self.host_pool.try_allocate(n // self.config.page_size)
+        return n, self.host_pool.try_allocate(n // self._ps)
 
     def submit(self, lc: Lifecycle, n: int, ready: Any = None, now: float | None = None) -> bool:
         """Submit the next ``n`` tokens (page-aligned) of ``lc`` as one chunk.
@@ -121,16 +123,16 @@ class Chunks:
             raise KVOffloadError(f"{lc!r}: the manager is closed, no copy can start; abort() releases it")
         if lc._stop >= 0:  # offload stopped at a hole (F33): nothing after it is sent
             return False
-        wanted = n // self.config.page_size  # a drop counts every page not sent, beyond one chunk too
+        wanted = n // self._ps  # a drop counts every page not sent, beyond one chunk too
         n, host = self.plan(lc, n)
         if n <= 0:
             return False
         if host is None:
             self.host_full(lc, wanted)
             return False
-        digests = page_run_digests(lc._chain, lc._tail[:n], self.config.page_size)
+        digests = page_run_digests(lc._chain, lc._tail[:n], self._ps)
         try:
-            self.send(lc, n, host, digests, ready, self.clock() if now is None else now)
+            self.send(lc, n, host, digests, ready, self.clock() if now is None else now, True)
         except BaseException:
             self.host_pool.free(host)
             raise
@@ -147,82 +149,86 @@ class Chunks:
         not, and every host page taken for them is back, the free list as it was."""
         if self.registry.closing:
             raise KVOffloadError(f"{run[0]!r}: the manager is closed, no copy can start; abort() releases it")
-        ps = self.config.page_size
-        stride = self.config.stride
-        plan = self.plan
+        ps, stride, plan = self._ps, self._stride, self.plan
         plans: list[tuple[Lifecycle, int, int, list[int] | None]] = []
         for lc in run:  # host pages in order: each as its own submit would find the pool
             pending = lc._committed - lc.submitted
             want = pending - pending % stride
             plans.append((lc, want, *plan(lc, want)))
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
-        for j, (lc, want, n, host) in enumerate(plans):
-            if host is not None:
-                try:
-                    self.send(lc, n, host, cast("list[bytes]", chains[j]), ready, now)
-                except BaseException:
-                    for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was
-                        if h is not None:
-                            self.host_pool.free(h)
-                    raise
-            elif n > 0:  # (n <= 0: less than a stride since a dropped prompt chunk: as submit, nothing)
-                self.host_full(lc, want // ps)
-            progress[0] += 1
+        send = self.send
+        chunks = pages = 0
+        try:
+            for j, (lc, want, n, host) in enumerate(plans):
+                if host is not None:
+                    try:
+                        send(lc, n, host, cast("list[bytes]", chains[j]), ready, now, False)
+                    except BaseException:
+                        for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was
+                            if h is not None:
+                                self.host_pool.free(h)
+                        raise
+                    chunks += 1
+                    pages += len(host)
+                elif n > 0:  # (n <= 0: less than a stride since a dropped prompt chunk: as submit, nothing)
+                    self.host_full(lc, want // ps)
+                progress[0] += 1
+        finally:
+            self._count(chunks, pages)
+
+    def _count(self, chunks: int, pages: int) -> None:
+        """``chunks`` chunks of ``pages`` pages were sent (counted once per call)."""
+        c = self.counters
+        c.chunks_submitted += chunks
+        c.chunks_inflight += chunks
+        c.pages_submitted += pages
+        c.pages_inflight += pages
 
     def send(
-        self, lc: Lifecycle, n: int, host: list[int], digests: list[bytes], ready: Any, now: float
+        self,
+        lc: Lifecycle,
+        n: int,
+        host: list[int],
+        digests: list[bytes],
+        ready: Any,
+        now: float,
+        count: bool,
     ) -> None:
         """Send ``lc``'s next ``n`` tokens, copied into ``host`` under ``digests``: the
         mover's ``accept`` first (it may raise: nothing changed, the caller returns the
         host pages), then the tokens leave the tail, the chain moves on to the chunk's
-        last page, the next chunk is due a stride on, and the table steps (F10)."""
-        ps = self.config.page_size
-        first = lc.submitted // ps
+        last page, the next chunk is due a stride on, it is counted (``count``; else the
+        caller counts its run of chunks once, :meth:`_count`), and the table steps (F10)."""
+        first = lc.submitted // self._ps
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
-        t = Transfer(
-            lc,
-            lc.device_pages[first : first + len(host)],
-            host,
-            None,
-            lc.submitted,
-            n,
-            now,
-            stream,
-            ready,
-            True,
-            digests,
-        )
+        dev = lc.device_pages[first : first + len(host)]
+        t = Transfer(lc, dev, host, None, lc.submitted, n, now, stream, ready, True, digests)
         t.seq = self.next_seq
         self.accept(t)
         del lc._tail[:n]
         lc.submitted += n
         lc._chain = digests[-1]
-        lc.due = lc.submitted + self.config.stride
+        lc.due = lc.submitted + self._stride
         lc.inflight += 1
         self.inflight[t.id] = t
         self.next_seq += 1
+        if count:
+            self._count(1, len(host))
         events = self.events
         if lc._row < 0:  # (a batch row's fast path stays closed: its _quiet is -1)
             requiet(lc, events.observed)
-        c = self.counters
-        npages = len(host)
-        c.chunks_submitted += 1
-        c.chunks_inflight += 1
-        c.pages_submitted += npages
-        c.pages_inflight += npages
         if events.observed:
-            events.emit(
-                "transfer.submitted",
-                lc,
-                transfer=t.id,
-                pages=npages,
-                bytes=npages * self.page_bytes,
-                tokens=n,
-                first_token=t.first_token,
-                stream=t.stream,
-            )
+            npages = len(host)
+            fields = {"transfer": t.id, "pages": npages, "bytes": npages * self.page_bytes, "tokens": n}
+            events.emit("transfer.submitted", lc, **fields, first_token=t.first_token, stream=t.stream)
             self.registry.fire(lc, _SUBMIT, now)
-        elif _SUBMIT_DEST[lc._s] != lc._s:  # (unobserved, a step that stays is no step)
+            return
+        dest = _SUBMIT_DEST[lc._s]
+        if dest == lc._s:  # (unobserved: a step that stays is no step)
+            return
+        if dest >= 0 and QUIET_MOVES[dest]:
+            self.registry.move(lc, dest, now)
+        else:
             self.registry.fire(lc, _SUBMIT, now)
 
     def flush(self, lc: Lifecycle, refusal_raises: bool = False) -> None:
@@ -346,6 +352,7 @@ class Chunks:
         inflight = self.inflight
         rows = _DONE_ROWS
         fire = self.registry.fire
+        move = self.registry.move
         observed = self.events.observed
         writes = self.writes
         store = self.storage
@@ -354,14 +361,14 @@ class Chunks:
         live = self.registry.live
         try:
             for tid, error in batch:
-                t = inflight.get(tid)
+                t = inflight.pop(tid, None)
                 if t is None:
                     raise KVOffloadError(f"transfer #{tid} completed twice or was never submitted")
                 # A lifecycle with a copy in flight is never RELEASED, so it is live.
                 lc = live.get(t.lifecycle_id)  # type: ignore[call-overload]
                 if lc is None:  # that invariant broken (a kvoffload bug): nothing applied
+                    self._back_in_flight(t)
                     raise InvariantViolation(f"{t!r} completed, but its lifecycle is not live")
-                del inflight[tid]
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
@@ -384,7 +391,10 @@ class Chunks:
                         else:
                             held += host
                         if dest != s:
-                            fire(lc, _DONE, now)
+                            if QUIET_MOVES[dest]:
+                                move(lc, dest, now)
+                            else:
+                                fire(lc, _DONE, now)
                         if lc._quiet_ev is not None:
                             lc._wake_quiet()
                         continue
@@ -403,6 +413,13 @@ class Chunks:
         finally:
             if chunks:
                 self.credit(chunks, pages, held)
+
+    def _back_in_flight(self, t: Transfer) -> None:
+        """Put ``t`` back among the copies in flight, in seq order (a refused completion)."""
+        self.inflight[t.id] = t
+        ordered = sorted(self.inflight.values(), key=lambda u: u.seq)
+        self.inflight.clear()
+        self.inflight.update((u.id, u) for u in ordered)
 
     def credit(self, chunks: int, pages: int, held: list[int]) -> None:
         """Write ``chunks`` copied chunks of ``pages`` pages to the ledger and return
@@ -444,7 +461,7 @@ class Chunks:
                 now=now,
             )
             if self.events.listeners:
-                self._emit_delivery("transfer.failed", t, lc, now, error=repr(error))
+                self.events.delivery("transfer.failed", t, lc, now, self.page_bytes, error=repr(error))
             return _FAILED
         if lc._aborted or 0 <= lc._stop <= t.first_token:  # aborted, or after a hole (F33)
             c.chunks_inflight -= 1
@@ -461,7 +478,7 @@ class Chunks:
             self.credit(1, npages, host)
             name = "transfer.completed"
         if self.events.observed:
-            self._emit_delivery(name, t, lc, now)
+            self.events.delivery(name, t, lc, now, self.page_bytes)
         return _DONE
 
     def _warn(
@@ -478,15 +495,3 @@ class Chunks:
         held = limit.due(self.clock() if now is None else now)
         if held:
             logger.warning(event, rid=lc.rid, lifecycle=lc.id, **fields, **{held_as: held})
-
-    def _emit_delivery(self, name: str, t: Transfer, lc: Lifecycle, now: float, **extra: Any) -> None:
-        npages = len(t.host_pages)
-        self.events.emit(
-            name,
-            lc,
-            transfer=t.id,
-            pages=npages,
-            bytes=npages * self.page_bytes,
-            latency_s=now - t.submitted_at,
-            **extra,
-        )

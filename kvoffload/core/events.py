@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvoffload.abc import Transfer
     from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = [
@@ -251,6 +252,16 @@ class Events:
             if log is None:
                 log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
             log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+
+    def delivery(
+        self, name: str, t: Transfer, lc: Lifecycle, now: float, page_bytes: int, **extra: Any
+    ) -> None:
+        """The event of ``lc``'s copy ``t`` delivered at ``now`` (completed, failed, discarded)."""
+        npages = len(t.host_pages)
+        latency = now - t.submitted_at
+        self.emit(
+            name, lc, transfer=t.id, pages=npages, bytes=npages * page_bytes, latency_s=latency, **extra
+        )
 
     def notify(self, name: str, fields: dict[str, Any]) -> None:
         """Send event ``name`` (``fields`` already named) to the listeners only."""

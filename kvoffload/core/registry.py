@@ -23,9 +23,13 @@ if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
     from kvoffload.pools import DevicePool, EnginePages
 
-__all__ = ["Registry"]
+__all__ = ["QUIET_MOVES", "Registry"]
 
 _RELEASED = LifecycleState.RELEASED.value
+#: For each state: whether a table step into it from another state changes only the
+#: counts (live, and extend stays a self-loop there: no row to give back) - when
+#: nobody observes, :meth:`Registry.move` is that whole step.
+QUIET_MOVES: tuple[bool, ...] = tuple(s != _RELEASED and EXTEND_SELF_LOOP[s] for s in range(len(STATES)))
 
 
 class Registry:
@@ -133,6 +137,17 @@ class Registry:
             counts[dest] += 1
         if self.events.observed:
             self.emit_transition(lc, s, dest, e)
+
+    def move(self, lc: Lifecycle, dest: int, now: float) -> None:
+        """The state change of a table step that needs nothing else: to ``dest``, which
+        the caller read from TABLE, a live state where extend stays a self-loop
+        (``QUIET_MOVES[dest]``), while nobody observes events - what :meth:`fire` does
+        for it, without looking the step up again (the submit and delivery loops)."""
+        counts = self.state_counts
+        counts[lc._s] -= 1
+        counts[dest] += 1
+        lc._s = dest
+        lc.state_since = now
 
     def emit_transition(self, lc: Lifecycle, s: int, dest: int, e: int) -> None:
         """The ``lifecycle.transition`` event of one table step."""
