@@ -87,7 +87,7 @@ class NoCopySim(SimBackend):
 
     def signal_all(self) -> None:
         pending, self.pending = self.pending, []
-        self.inbox.post([(t, None) for t in pending])
+        self.inbox.post([(t.id, None) for t in pending])
 
 
 # --- kvoffload ----------------------------------------------------------------------------

@@ -37,13 +37,14 @@ from _machine import describe
 
 import kvoffload as kvo
 from kvoffload.abc import EventBackend, Transfer
+from kvoffload.backends import CpuBackend
 from kvoffload.backends._threaded import ThreadedBackend
-from kvoffload.backends.cpu import CpuBackend
 
 
 class _Owner:
     id = 0
     rid = "bench"
+    tag = None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -55,7 +56,7 @@ async def _backend_copy(backend: EventBackend, chunks: list[tuple[list[int], lis
     """Seconds to submit every chunk and receive every completion."""
     t0 = time.perf_counter()
     for dev, host in chunks:
-        backend.submit(Transfer(_Owner(), dev, host, [], 0, 0, 0.0))  # type: ignore[arg-type]
+        backend.submit(Transfer(_Owner(), dev, host, [], 0, 0, 0.0))
     backend.launch()  # the driver's next turn: the accepted copies start
     n = 0
     while n < len(chunks):
@@ -324,7 +325,7 @@ async def main(quick: bool) -> int:
     met = report("cpu", tp, lat, "torch copy_ of the pool, one block")
     met = report_engine(await engine_throughput(32, 32, trials)) and met
     if torch.cuda.is_available():
-        from kvoffload.backends.cuda import CudaBackend
+        from kvoffload.backends import CudaBackend
 
         tp = await throughput(CudaBackend, config, 32, trials)
         lat = await latency_and_loop_cpu(CudaBackend, n_chunks)

@@ -52,7 +52,7 @@ class InstantBackend(SimBackend):
     def launch(self) -> None:
         if self.pending:
             pending, self.pending = self.pending, []
-            self.inbox.post([(t, None) for t in pending])
+            self.inbox.post([(t.id, None) for t in pending])
 
 
 def _stride_sync(mgr: kvo.SyncOffloadManager, lcs: list[kvo.Lifecycle]) -> float:

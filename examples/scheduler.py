@@ -1,6 +1,6 @@
 """The integration example: a decode scheduler loop driving kvoffload as an engine would.
 
-The loop itself is ``kvoffload/scheduler.py`` (``DecodeScheduler``): read it first. Per
+The loop itself is ``kvoffload/tools/scheduler.py`` (``DecodeScheduler``): read it first. Per
 decode step it admits arrived requests (``mgr.admit``), commits one token for every
 running request (``lc.extend``), finishes or aborts the ones that are done
 (``lc.finish`` / ``lc.abort``) and frees each request's slot when ``await
@@ -23,8 +23,8 @@ from contextlib import ExitStack
 import structlog
 
 import kvoffload as kvo
-from kvoffload.simulate import choose_backend, choose_store, print_summary, simulate
-from kvoffload.workload import WorkloadSpec
+from kvoffload.tools.simulate import choose_backend, choose_store, print_summary, simulate
+from kvoffload.tools.workload import WorkloadSpec
 
 
 async def main(requests: int = 60, seed: int = 0) -> int:

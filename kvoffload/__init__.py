@@ -6,6 +6,7 @@ from __future__ import annotations
 import kvoffload._early_stop  # noqa: F401
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
+from kvoffload.core.lifecycle import Lifecycle, LifecycleId
 from kvoffload.core.stats import Statistics
 from kvoffload.drivers import OffloadManager, SyncOffloadManager
 from kvoffload.errors import (
@@ -27,7 +28,7 @@ from kvoffload.errors import (
     WrongThread,
 )
 from kvoffload.keys import chain_keys, namespace_seed, page_key
-from kvoffload.lifecycle import SPEC, Lifecycle, LifecycleId, LifecycleState, Outcome
+from kvoffload.lifecycle import SPEC, LifecycleState, Outcome
 
 __version__ = "0.1.0"
 

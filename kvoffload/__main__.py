@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from kvoffload.cli import main
+from kvoffload.tools.cli import main
 
 raise SystemExit(main())

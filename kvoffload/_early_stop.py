@@ -1,6 +1,6 @@
 """Stop signals for the ``kvoffload`` command from its first instruction (FAILURES F27).
 
-``import kvoffload`` takes half a second or more (numpy), and :func:`kvoffload.cli.main`
+``import kvoffload`` takes half a second or more (numpy), and :func:`kvoffload.tools.cli.main`
 installs its own handlers only once it runs: a SIGINT in between printed a
 ``KeyboardInterrupt`` traceback. This module is the first one ``kvoffload/__init__.py``
 imports. When - and only when - the process is the ``kvoffload`` command

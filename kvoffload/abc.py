@@ -1,11 +1,13 @@
 """Every interface kvoffload's layers share, in one place.
 
 Bookkeeping (the core and its lifecycles) and data movement (event backends and
-storages: the movers) meet only here. They share a tiny vocabulary: a
+storages: the movers) meet only here. They share a tiny vocabulary of plain data: a
 :class:`Transfer` (which device pages go to which host pages, under which keys), a
-:data:`Completion` (that transfer, and the error if its copy failed) and a
-:class:`WriteJob` (host pages to store under their keys). Backends and storages never
-read or change lifecycle state.
+:data:`Completion` (that transfer's id, and the error if its copy failed) and a
+:class:`WriteJob` (host pages to store under their keys). None of them holds a
+lifecycle: a transfer names its issuer by id, request id and tag (copied from an
+:class:`Issuer` when it is made), so a mover can live in another process than the
+bookkeeping. Backends and storages never read or change lifecycle state.
 """
 
 from __future__ import annotations
@@ -13,18 +15,18 @@ from __future__ import annotations
 import abc
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NewType, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NewType, Protocol, TypeAlias, cast
 
 from kvoffload.errors import BackendError
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
-    from kvoffload.lifecycle.core import Lifecycle
     from kvoffload.pools import DevicePool, EnginePages, HostPool
 
 __all__ = [
     "Completion",
     "EventBackend",
+    "Issuer",
     "Storage",
     "Transfer",
     "TransferId",
@@ -38,17 +40,36 @@ TransferId = NewType("TransferId", int)
 _transfer_ids = cast("Iterator[TransferId]", itertools.count(1))
 
 
+class Issuer(Protocol):
+    """What a :class:`Transfer` copies from whoever issued it (a core's lifecycle
+    satisfies it): its ``id`` (unique among the issuer's core's live lifecycles), its
+    ``rid`` (the engine's request id, a label) and its ``tag`` (the engine's object).
+    Read once, when the transfer is made; the transfer keeps no reference to it."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def rid(self) -> Any: ...
+
+    @property
+    def tag(self) -> Any: ...
+
+
 class Transfer:
     """One chunk: a copy of whole device pages to host pages, submitted as a unit.
+    Plain data: it holds no lifecycle, so it can cross a process boundary.
 
     Created by the core (owner thread) *after* its host pages were allocated, and
     immutable from then on except for ``completed_at`` and ``error``, which the core
-    sets on delivery (``seq`` numbers the core's submissions in order). The transfer
-    holds the lifecycle that issued it: that is how a completion reaches its own
-    lifecycle and nothing is looked up by request id.
+    sets on delivery. ``lifecycle_id``, ``rid`` and ``tag`` are copied from the
+    :class:`Issuer` it is made for: a completion names the transfer by ``id``, and the
+    core finds the issuing lifecycle by ``lifecycle_id`` (never by request id, F1).
+    ``id`` is process-wide (unique among all cores of a process); ``seq`` is the job
+    number tensor-parallel ranks agree on (the core's submission number).
     Backends read ``device_pages``, ``host_pages``, ``stream`` and ``ready`` (what the
-    copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``);
-    nothing else.
+    copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``) and
+    report ``id``; nothing else.
     """
 
     __slots__ = (
@@ -60,18 +81,20 @@ class Transfer:
         "first_token",
         "host_pages",
         "id",
-        "lifecycle",
+        "lifecycle_id",
         "n_tokens",
         "owned",
         "ready",
+        "rid",
         "seq",
         "stream",
         "submitted_at",
+        "tag",
     )
 
     def __init__(
         self,
-        lifecycle: Lifecycle,
+        issuer: Issuer,
         device_pages: list[int],
         host_pages: list[int],
         keys: list[str] | None,
@@ -84,7 +107,10 @@ class Transfer:
         digests: list[bytes] | None = None,
     ) -> None:
         self.id = next(_transfer_ids)
-        self.lifecycle = lifecycle
+        # The issuer's id, request id and tag, copied: no reference to the issuer is kept.
+        self.lifecycle_id: int = issuer.id
+        self.rid: Any = issuer.rid
+        self.tag: Any = issuer.tag
         self.device_pages = device_pages
         self.host_pages = host_pages
         # _keys: the pages' keys (hex), or None until first read, made from _digests
@@ -100,9 +126,9 @@ class Transfer:
         # construction; a backend checks only transfers without it (check_fits).
         self.owned = owned
         self.ready: Any = ready
-        # seq: the core's submission number (0, 1, 2, ... per core): deterministic, so
-        # tensor-parallel ranks that made the same calls name a transfer alike (``id``
-        # comes from a process-wide counter and does not).
+        # seq: the job number tensor-parallel ranks agree on: the core's submission
+        # number (0, 1, 2, ... per core), deterministic, so ranks that made the same
+        # calls name a transfer alike (``id`` comes from a process-wide counter and does not).
         self.seq = 0
         self.completed_at: float | None = None
         self.error: BaseException | None = None
@@ -145,14 +171,15 @@ class Transfer:
 
     def __repr__(self) -> str:
         return (
-            f"<Transfer #{self.id} of lifecycle #{self.lifecycle.id} ({self.lifecycle.rid!r}) "
+            f"<Transfer #{self.id} of lifecycle #{self.lifecycle_id} ({self.rid!r}) "
             f"tokens {self.first_token}..{self.first_token + self.n_tokens} "
             f"{len(self.device_pages)} page(s)>"
         )
 
 
-Completion: TypeAlias = "tuple[Transfer, BaseException | None]"
-"""A finished copy: the transfer and ``None``, or the error that failed it."""
+Completion: TypeAlias = "tuple[TransferId, BaseException | None]"
+"""A finished copy: the transfer's ``id`` and ``None``, or the error that failed it.
+Plain data, like the transfer: it can cross a process boundary (an error that pickles)."""
 
 
 class WriteChain:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvoffload.backends.sim import SimBackend
+from kvoffload.backends._sim import SimBackend
 from kvoffload.drivers.asyncio import OffloadManager
 
 if TYPE_CHECKING:

@@ -14,17 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import run_cli
+from support import broken_parts, run_cli
 
 import kvoffload as kvo
-from kvoffload import graph
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends import BACKENDS
-from kvoffload.core.offload import OffloadCore
-from kvoffload.delivery_check import EngineRecord
-from kvoffload.drivers.asyncio import OffloadManager
-from kvoffload.trace import check_chrome_trace
-from kvoffload.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
+from kvoffload.core.chunks import Chunks
+from kvoffload.tools import graph
+from kvoffload.tools.delivery_check import EngineRecord
+from kvoffload.tools.trace import check_chrome_trace
+from kvoffload.tools.workload import FaultyBackend, RunMonitor, WorkloadSpec, plan
 
 # A small, quick workload (well under a second).
 SMALL = [
@@ -102,7 +101,7 @@ def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
     count decode steps, and each step waits until the manager took the completions the
     loop played. A machine that needs 2 ms more for every step (a busy one) runs the
     same schedule, figure for figure, with its late completions during id reuse."""
-    from kvoffload.scheduler import DecodeScheduler
+    from kvoffload.tools.scheduler import DecodeScheduler
 
     code, out, _ = run([*REUSED, "--json", str(tmp_path / "fast.json")], capsys)
     assert code == 0, out
@@ -121,20 +120,24 @@ def test_f39_a_slow_machine_plays_the_same_simulated_schedule(
     assert _schedule(slow) == _schedule(fast)
 
 
-class SwapsSharedIdsInABatch(OffloadCore):
+class SwapsSharedIdsInABatch(Chunks):
     """A seeded misrouting (F1): two completions of one batch whose lifecycles share a
     request id are delivered to each other's lifecycle. Each lifecycle still receives
     as many completions as it issued, after its copies ended: every count, state,
     ledger and leak check still holds. Only what the completions carry is wrong."""
 
-    def _apply(self, batch: Iterable[Completion], now: float) -> None:
+    def apply(self, batch: Iterable[Completion], now: float) -> None:
         batch = list(batch)
-        for i, (t, _) in enumerate(batch):
-            for u, _ in batch[i + 1 :]:
-                if u.lifecycle is not t.lifecycle and u.lifecycle.rid == t.lifecycle.rid:
-                    t.lifecycle, u.lifecycle = u.lifecycle, t.lifecycle
+        # The core reaches a completion's lifecycle by its transfer's lifecycle_id: swap those.
+        ts = [self.inflight.get(tid) for tid, _ in batch]
+        for i, t in enumerate(ts):
+            for u in ts[i + 1 :]:
+                if t is None or u is None:
+                    continue
+                if u.lifecycle_id != t.lifecycle_id and u.rid == t.rid:
+                    t.lifecycle_id, u.lifecycle_id = u.lifecycle_id, t.lifecycle_id
                     break
-        super()._apply(batch, now)
+        super().apply(batch, now)
 
 
 def test_a_misrouted_completion_fails_the_run(
@@ -143,8 +146,8 @@ def test_a_misrouted_completion_fails_the_run(
     """On a core that swaps completions between lifecycles sharing an id, the run
     counts mismatched completions and exits 1 (the error is the delivery check's, or
     the ledger's when the swap also broke the chain-order write bookkeeping, F33)."""
-    monkeypatch.setattr(OffloadManager, "_core_class", SwapsSharedIdsInABatch)
-    code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
+    with broken_parts(SwapsSharedIdsInABatch):
+        code, out, _ = run([*REUSED, "--json", str(tmp_path / "s.json")], capsys)
     report = json.loads((tmp_path / "s.json").read_text())
     mismatched = report["deliveries"]["mismatched"]
     assert code == 1 and mismatched > 0, report["deliveries"]
@@ -209,7 +212,7 @@ def test_store_none_keeps_nothing_and_still_balances(
 def test_auto_backend_is_the_managers_auto() -> None:
     """simulate's --backend auto picks what OffloadManager's "auto" picks: cuda with a
     GPU, else cpu."""
-    from kvoffload.simulate import choose_backend
+    from kvoffload.tools.simulate import choose_backend
 
     assert choose_backend("auto") == ("cuda" if _has_gpu() else "cpu")
 
@@ -254,7 +257,7 @@ def test_bad_options_exit_2_with_a_clear_message(
 def test_tp_is_bounded_by_the_machines_cores(capsys: pytest.CaptureFixture[str]) -> None:
     """--tp starts one process per rank: more than 4 a CPU core (64 at most) is refused
     with the bound and the reason, exit 2, before anything starts."""
-    from kvoffload.cli import max_tp
+    from kvoffload.tools.cli import max_tp
 
     bound = max_tp()
     assert bound == min(64, 4 * (os.cpu_count() or 1))
@@ -329,7 +332,7 @@ async def test_the_monitor_checks_the_late_completion_of_the_readme_story() -> N
         old, new = lcs
         old.finish()
         late = backend.pending[0]
-        assert late.lifecycle is old
+        assert late.lifecycle_id == old.id
         backend.complete(late)
         await old.wait_released()
         assert monitor.late_completions == 1 and monitor.checked == monitor.bytes_checked == 1

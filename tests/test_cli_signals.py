@@ -143,8 +143,8 @@ def test_the_library_refuses_an_impossible_workload_too() -> None:
     import asyncio
 
     import kvoffload as kvo
-    from kvoffload.simulate import simulate
-    from kvoffload.workload import WorkloadSpec
+    from kvoffload.tools.simulate import simulate
+    from kvoffload.tools.workload import WorkloadSpec
 
     spec = WorkloadSpec(requests=2, prompt_mean=500)
     config = kvo.OffloadConfig(page_size=16, stride=16, device_pages=4, host_pages=4)

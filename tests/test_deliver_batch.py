@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import kvoffload as kvo
-import kvoffload.core.offload
+import kvoffload.core.chunks
 from kvoffload.abc import Completion, Transfer
 from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, HostPool
@@ -55,8 +55,8 @@ def mixed_batch(core: OffloadCore, jobs: list[Transfer]) -> tuple[list[Completio
     lcs[1].finish()  # its completion releases it
     lcs[2].abort()  # its completion is discarded
     lcs[4].extend([5, 6, 7, 8])  # two chunks in flight: the first completing keeps it OFFLOADING
-    failed = next(t for t in jobs if t.lifecycle is lcs[3])
-    batch: list[Completion] = [(t, RuntimeError("copy failed") if t is failed else None) for t in jobs]
+    failed = next(t for t in jobs if t.lifecycle_id == lcs[3].id)
+    batch: list[Completion] = [(t.id, RuntimeError("copy failed") if t is failed else None) for t in jobs]
     jobs.clear()
     return batch, lcs
 
@@ -127,8 +127,8 @@ def test_the_ledger_balances_when_a_failure_is_logged(monkeypatch: pytest.Monkey
             ledger_balances(core)
             logged.append(event)
 
-    monkeypatch.setattr(kvoffload.core.offload, "logger", Spy())
-    core.complete([(ts[0], None), (ts[1], None), (ts[2], RuntimeError("copy failed"))])
+    monkeypatch.setattr(kvoffload.core.chunks, "logger", Spy())
+    core.complete([(ts[0].id, None), (ts[1].id, None), (ts[2].id, RuntimeError("copy failed"))])
     assert logged == ["transfer.failed"]
     ledger_balances(core)
     core.check_invariants()
@@ -145,7 +145,7 @@ def test_a_host_double_free_in_a_batch_frees_nothing() -> None:
     tb.host_pages = list(ta.host_pages)  # a backend bug: one host page for two copies
     used = core.host_pool.used
     with pytest.raises(kvo.PageError, match="freed but not allocated"):
-        core.complete([(ta, None), (tb, None)])
+        core.complete([(ta.id, None), (tb.id, None)])
     assert core.host_pool.used == used
     core.host_pool.check()
 
@@ -160,12 +160,12 @@ def test_a_completion_named_twice_or_unknown_stops_the_batch_with_the_ledger_con
         lc.extend([1, 2, 3, 4])
     ta, tb, tc = jobs
     with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-        core.complete([(ta, None), (ta, None), (tb, None)])
+        core.complete([(ta.id, None), (ta.id, None), (tb.id, None)])
     core.check_invariants()
     assert (lcs[0].inflight, lcs[1].inflight) == (0, 1) and core.counters.completions_delivered == 1
-    core.complete([(tb, None), (tc, None)])
+    core.complete([(tb.id, None), (tc.id, None)])
     with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-        core.complete([(tc, None)])
+        core.complete([(tc.id, None)])
     core.check_invariants()
     assert core.counters.completions_delivered == 3
 
@@ -183,6 +183,6 @@ def test_completions_delivered_counts_deliveries_when_they_pump_deferred_chunks(
     b.extend([1, 2, 3, 4])
     c.extend([1, 2, 3, 4])
     assert b.deferred and c.deferred and len(core.inflight) == 1
-    core.complete([(jobs[0], None)])
+    core.complete([(jobs[0].id, None)])
     assert len(core.inflight) == 2 and core.counters.completions_delivered == 1
     core.check_invariants()

@@ -18,7 +18,7 @@ import pytest
 from support import toks
 
 import kvoffload as kvo
-from kvoffload.backends.cpu import CpuBackend
+from kvoffload.backends import CpuBackend
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
 
@@ -249,7 +249,7 @@ def test_a_listener_that_aborts_during_delivery_loses_nothing(driver: str) -> No
         c.extend(toks(4, 9))
         failing = [one_copy(mgr, "a"), one_copy(mgr, "b"), c]
         rest = [one_copy(mgr, f"r{i}") for i in range(3)]
-        for t in [t for t in backend.pending if t.lifecycle in failing]:
+        for t in [t for t in backend.pending if any(t.lifecycle_id == lc.id for lc in failing)]:
             backend.fail(t, kvo.BackendError("simulated copy failure"))
         backend.complete_all()
         return [*failing, *rest]

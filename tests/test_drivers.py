@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from support import HANG_S, toks
 
 import kvoffload as kvo
-from kvoffload.backends.cpu import CpuBackend
+from kvoffload.backends import CpuBackend
 from kvoffload.drivers._base import parked
 from kvoffload.testing import ManagerHost, SimBackend, SyncManagerHost
 
@@ -139,7 +139,7 @@ def test_f20_a_launch_that_cannot_start_fails_that_chunk_only(driver: str) -> No
     real_start = backend._start
 
     def start(t: kvo.Transfer, worker: Any) -> Any:
-        if t.lifecycle.rid == "bad":
+        if t.rid == "bad":
             raise RuntimeError("simulated: cudaErrorLaunchFailure")
         return real_start(t, worker)
 

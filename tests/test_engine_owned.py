@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from support import toks
+from support import PlainIssuer, toks
 
 import kvoffload as kvo
-from kvoffload.backends.cuda import order_after, queue_copy
+from kvoffload.backends._cuda import order_after, queue_copy
 from kvoffload.pools import DevicePool, EnginePages, HostPool, host_tensor
 from kvoffload.testing import SimBackend
 
@@ -157,7 +157,7 @@ def test_kvoffload_never_frees_engine_pages_and_tells_the_engine_once() -> None:
         lc = mgr.admit("r", toks(0, 4), pages=[7], tag=req)
         lc.extend(toks(4, 8), pages=[3])
         (t,) = backend.pending
-        assert t.lifecycle.tag is req and lc.tag is req and t.device_pages == [3]
+        assert t.tag is req and lc.tag is req and t.device_pages == [3]
         lc.finish()
         assert released == [] and mgr.device_pool.used == 2
         backend.complete(t)
@@ -381,7 +381,7 @@ def test_the_cuda_copy_plan_moves_the_right_bytes(engine: bool) -> None:
         device.tensor.normal_()
         host = HostPool.new(8, (PAGE, 2, 3), "float16", zero=True)
     for dev_pages, host_pages in ([[3, 4, 5], [0, 1, 2]], [[9, 2, 14, 7, 11, 0], [7, 3, 4, 5, 1, 6]]):
-        t = Transfer(object(), dev_pages, host_pages, [], 0, PAGE * len(dev_pages), 0.0)  # type: ignore[arg-type]
+        t = Transfer(PlainIssuer(), dev_pages, host_pages, [], 0, PAGE * len(dev_pages), 0.0)
         queue_copy(device, host, t, torch.device("cpu"))
         for d, h in zip(dev_pages, host_pages, strict=True):
             got = host.tensor[h].contiguous().view(torch.uint8).numpy().tobytes()

@@ -254,7 +254,7 @@ def _run_schedule(
         elif kind == "complete" and a.core.inflight:
             for side in (a, b):
                 t = list(side.core.inflight.values())[arg % len(side.core.inflight)]
-                side.core.complete([(t, None)])
+                side.core.complete([(t.id, None)])
         _same(a, b)
 
 
@@ -426,4 +426,5 @@ def test_a_prompt_without_a_whole_page_keeps_the_fast_path_and_a_row() -> None:
     for _ in range(6):
         side.core.extend_batch(lcs, [5, 6, 7])
     assert [lc.committed for lc in lcs] == [8, 9, 10]  # each passed 8 tokens: its first chunk
-    assert [(j.lifecycle, j.first_token, j.n_tokens) for j in side.jobs] == [(lc, 0, 8) for lc in lcs[::-1]]
+    got = [(j.lifecycle_id, j.first_token, j.n_tokens) for j in side.jobs]
+    assert got == [(lc.id, 0, 8) for lc in lcs[::-1]]

@@ -30,7 +30,7 @@ from support import (
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
 
@@ -99,7 +99,7 @@ async def test_f1_reused_request_id_shares_nothing_with_the_old_lifecycle(backen
         b.extend(toks(104, 109))
         mgr.check_invariants()
         tb = backend.pending[1]
-        assert ta.lifecycle is a and tb.lifecycle is b
+        assert ta.lifecycle_id == a.id and tb.lifecycle_id == b.id
         # B started from its own prompt: its first chunk is tokens 4..8 of its own stream.
         assert tb.first_token == 4 and tb.n_tokens == 4
         assert tb.keys == kvo.chain_keys(None, toks(100, 108), 4)[1:]
@@ -427,7 +427,7 @@ async def test_f8_release_cannot_run_twice(backend: SimBackend) -> None:
             backend.fail(t)
         # ...and by the manager, were a backend to deliver it anyway.
         with pytest.raises(kvo.KVOffloadError, match="completed twice"):
-            mgr.core.complete([(t, None)])
+            mgr.core.complete([(t.id, None)])
         unchanged(mgr, before)
         assert all(v >= 0 for v in mgr.statistics().as_dict().values())
 
@@ -486,7 +486,7 @@ async def test_f9_host_full_counted_drop_rate_limited_log_and_retry(backend: Sim
         b.extend(toks(20, 28))
         mgr.check_invariants()
         (tb,) = backend.pending
-        assert tb.lifecycle is b and tb.first_token == 4 and tb.n_tokens == 24
+        assert tb.lifecycle_id == b.id and tb.first_token == 4 and tb.n_tokens == 24
         assert tb.keys == kvo.chain_keys(None, toks(0, 28), 4)[1:]
         assert b.submitted == 28 == b.committed and b.state is OFFLOADING
         await complete_everything(mgr, backend)
@@ -520,7 +520,7 @@ async def test_f9_wait_policy_defers_then_submits_or_expires_to_a_counted_drop(b
         await mgr.settle()
         mgr.check_invariants()
         (tb,) = backend.pending
-        assert tb.lifecycle is b and not b.deferred and b.state is OFFLOADING
+        assert tb.lifecycle_id == b.id and not b.deferred and b.state is OFFLOADING
         assert tb.keys == kvo.chain_keys(None, toks(0, 12), 4)[1:]
         assert b.submitted == 12 and b.committed == 16
 
@@ -570,7 +570,7 @@ async def test_f10_state_changes_only_after_host_pages_are_acquired(backend: Sim
         b.extend(toks(4, 8))
         mgr.check_invariants()
         assert b.state is PENDING and b.inflight == 0 and b.submitted == 4
-        assert [t.lifecycle for t in backend.pending] == [a]
+        assert [t.lifecycle_id for t in backend.pending] == [a.id]
         s = mgr.statistics()
         assert (s.offloading, s.pending, s.chunks_inflight, s.chunks_dropped) == (1, 1, 1, 1)
         await complete_everything(mgr, backend)
@@ -707,7 +707,7 @@ async def test_f12_remainder_larger_than_one_chunk_is_not_lost_silently(
             b.finish()
             mgr.check_invariants()
         (t1,) = backend.pending
-        assert (t1.lifecycle, t1.first_token, t1.n_tokens) == (b, 4, 8)
+        assert (t1.lifecycle_id, t1.first_token, t1.n_tokens) == (b.id, 4, 8)
         if policy == "drop":  # the third page found the host full: counted, not silent
             assert mgr.statistics().pages_dropped == dropped + 1
             assert b.submitted == 12
@@ -717,7 +717,7 @@ async def test_f12_remainder_larger_than_one_chunk_is_not_lost_silently(
             await mgr.settle()
             mgr.check_invariants()
             (t2,) = backend.pending
-            assert (t2.lifecycle, t2.first_token, t2.n_tokens) == (b, 12, 4)
+            assert (t2.lifecycle_id, t2.first_token, t2.n_tokens) == (b.id, 12, 4)
             assert t2.keys == kvo.chain_keys(None, toks(0, 16), 4)[3:]
             assert b.submitted == 16
         await complete_everything(mgr, backend)
@@ -741,7 +741,7 @@ async def test_f14_every_inflight_transfer_is_tracked_until_it_completes(backend
             a.extend(toks(start, start + 4))  # a stride each: one store per extend
             mgr.check_invariants()
         t1, t2, t3 = backend.pending
-        assert [t.lifecycle for t in (t1, t2, t3)] == [a, a, a] and a.inflight == 3
+        assert [t.lifecycle_id for t in (t1, t2, t3)] == [a.id, a.id, a.id] and a.inflight == 3
         dev = mgr.device_pool.tensor
         for i, p in enumerate(a.device_pages):
             dev[p].fill_(i + 1)  # a's model wrote its KV

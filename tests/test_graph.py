@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import graph
 from kvoffload.errors import MissingDependency
 from kvoffload.lifecycle.spec import SPEC, LifecycleState
+from kvoffload.tools import graph
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
 EDGE = re.compile(r"^\s*(\w+) --> (\w+): (.*)$")

@@ -693,7 +693,7 @@ def test_shared_stored_prefixes_over_random_schedules(seed: int) -> None:
         elif op == "complete" and jobs:
             rng.shuffle(jobs)
             done = [jobs.pop() for _ in range(rng.randint(1, len(jobs)))]
-            for lc in core.complete([(t, None) for t in done]):
+            for lc in core.complete([(t.id, None) for t in done]):
                 on_released(lc)
         pool = core.device_pool
         assert isinstance(pool, EnginePages)
@@ -709,7 +709,7 @@ def test_shared_stored_prefixes_over_random_schedules(seed: int) -> None:
         most = max(most, *want.values(), 0)
     for lc in list(core.live.values()):
         lc.abort()
-    for lc in core.complete([(t, None) for t in jobs]):
+    for lc in core.complete([(t.id, None) for t in jobs]):
         on_released(lc)
     assert core.device_pool.used == 0 and not core.live and not own_of
     assert len(released) == len({lc.id for lc in released}) == core.counters.admitted

@@ -18,7 +18,7 @@ import torch
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
-from kvoffload.backends.cpu import CpuBackend
+from kvoffload.backends import CpuBackend
 
 pytestmark = pytest.mark.asyncio
 

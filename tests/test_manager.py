@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from support import HANG_S, FakeClock, complete_everything, open_manager, toks, unchanged
 
 import kvoffload as kvo
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.testing import SimBackend
 
 PENDING, OFFLOADING, FINISHING, RELEASED = kvo.LifecycleState

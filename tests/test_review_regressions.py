@@ -143,7 +143,7 @@ async def test_cpu_backend_aclose_in_a_cancelled_scope_returns_only_once_no_copy
 
     from support import spin
 
-    from kvoffload.backends.cpu import CpuBackend
+    from kvoffload.backends import CpuBackend
 
     backend = CpuBackend()
     gate = threading.Event()
@@ -158,7 +158,7 @@ async def test_cpu_backend_aclose_in_a_cancelled_scope_returns_only_once_no_copy
     device, host = backend.create_pools(small_config())
     backend.open(device, host)
     workers = list(backend._workers)
-    lc: Any = SimpleNamespace(id=0, rid="r")
+    lc: Any = SimpleNamespace(id=0, rid="r", tag=None)
     backend.submit(kvo.Transfer(lc, [0], [0], ["k"], 0, 4, 0.0))
     await anyio.to_thread.run_sync(started.wait, 10)
 

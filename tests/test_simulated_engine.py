@@ -1,4 +1,4 @@
-"""The simulated engine of ``kvoffload simulate`` (kvoffload.scheduler) must itself be
+"""The simulated engine of ``kvoffload simulate`` (kvoffload.tools.scheduler) must itself be
 a correct engine, or the run's delivery check blames the library for the engine's bug.
 
 Found running ``kvoffload simulate`` from a fresh clone (issue 19): about one run in
@@ -15,8 +15,8 @@ import pytest
 from support import run_cli, small_config
 
 import kvoffload as kvo
-from kvoffload.delivery_check import EngineRecord
 from kvoffload.testing import SimBackend
+from kvoffload.tools.delivery_check import EngineRecord
 
 
 @pytest.mark.parametrize("backend", ["sim", "cpu"])

@@ -11,7 +11,7 @@ import pytest
 
 import kvoffload as kvo
 from kvoffload.testing import SimBackend
-from kvoffload.trace import TraceRecorder, check_chrome_trace
+from kvoffload.tools.trace import TraceRecorder, check_chrome_trace
 
 
 async def _reuse_story(clock: list[float]) -> tuple[TraceRecorder, kvo.Lifecycle, kvo.Lifecycle]:

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload._testing.machine import CoreLifecycleMachine
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import BackendError, InvalidTransition, PoolExhausted
-from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
 
 __all__ = [
@@ -346,7 +346,7 @@ def signature(m: _Explorer) -> tuple[Any, ...]:
         return tuple(names.setdefault(p, len(names)) for p in pages)
 
     def key(t: Any) -> tuple[int, int, int]:
-        return (index.get(t.lifecycle.id, -1), t.first_token, t.n_tokens)
+        return (index.get(t.lifecycle_id, -1), t.first_token, t.n_tokens)
 
     lcs = []
     for lc in held:
@@ -394,7 +394,7 @@ def signature(m: _Explorer) -> tuple[Any, ...]:
         rename(dev, core.device_pool._free),  # type: ignore[union-attr]
         rename(host, core.host_pool._free),
         tuple(core.state_counts),
-        core._next_id,
+        core.registry.next_id,
         core.closing,
         m.closed,
         m.now,

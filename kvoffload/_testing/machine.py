@@ -29,11 +29,11 @@ from kvoffload._testing.host import ManagerHost, SyncManagerHost
 from kvoffload._testing.observer import KV_SHAPE, CheckedSimBackend, Observer
 from kvoffload.abc import WriteJob
 from kvoffload.config import OffloadConfig
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
-from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import EnginePages
 from kvoffload.storage.memory import MemoryStorage
@@ -475,7 +475,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _retracted(self, lc: Lifecycle, pages: list[int]) -> None:
         assert lc.state is _R and lc.device_pages == [], f"retract() returned with {lc!r}"
         assert self.backend is not None
-        assert not any(t.lifecycle is lc for t in self.backend.pending), f"{lc!r} retracted mid-copy"
+        assert not any(t.lifecycle_id == lc.id for t in self.backend.pending), f"{lc!r} retracted mid-copy"
         assert lc.outcome is not None
 
     @precondition(lambda self: self.awaits and not self.closed)
@@ -490,7 +490,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         def quiet() -> None:
             assert self.backend is not None
             assert lc.quiescent, f"wait_quiescent() returned with {lc!r}"
-            assert not any(t.lifecycle is lc for t in self.backend.pending), f"{lc!r} is still copied"
+            assert not any(t.lifecycle_id == lc.id for t in self.backend.pending), f"{lc!r} is still copied"
 
         self._spawn(lc.wait_quiescent(), quiet)
 
@@ -513,8 +513,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         if not self.delivering:
             return
         core = self.core
-        overdue = {t.lifecycle.id for t in self.backend.pending if self.now - t.submitted_at > _STUCK_AFTER_S}
-        reported = {core.inflight[tid].lifecycle.id for tid in core.stuck_reported if tid in core.inflight}
+        overdue = {t.lifecycle_id for t in self.backend.pending if self.now - t.submitted_at > _STUCK_AFTER_S}
+        reported = {core.inflight[tid].lifecycle_id for tid in core.stuck_reported if tid in core.inflight}
         assert overdue <= reported, (
             f"the watchdog did not report lifecycles {sorted(overdue - reported)} (F18)"
         )

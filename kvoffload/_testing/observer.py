@@ -43,17 +43,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvoffload.backends.sim import SimBackend
+from kvoffload.backends._sim import SimBackend
+from kvoffload.core.lifecycle import LifecycleId
 from kvoffload.errors import BackendError
-from kvoffload.lifecycle.core import LifecycleId
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import DevicePool, HostPool
 
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.core.offload import OffloadCore
-    from kvoffload.lifecycle.core import Lifecycle
 
 __all__ = ["KV_SHAPE", "CheckedSimBackend", "Observer", "reference_keys"]
 
@@ -200,7 +200,7 @@ class CheckedSimBackend(SimBackend):
             super().complete(transfer)
         else:  # the core alone: no bytes to move, only the completion
             self._take(transfer)
-            self._signal((transfer, None))
+            self._signal((transfer.id, None))
         self.observer.on_signal(transfer, ok=True)
 
     def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:
@@ -392,14 +392,15 @@ class Observer:
     # --- the backend's side ----------------------------------------------------------------
 
     def on_submit(self, t: Transfer) -> None:
-        self.transfers[t.id] = _Submitted(t, t.lifecycle.id, list(t.keys), list(t.device_pages))
-        m = self.lcs.get(t.lifecycle.id)
+        lid = t.lifecycle_id
+        self.transfers[t.id] = _Submitted(t, lid, list(t.keys), list(t.device_pages))
+        m = self.lcs.get(lid)
         if m is None:
-            self.early.setdefault(t.lifecycle.id, t.first_token)
+            self.early.setdefault(lid, t.first_token)
         else:
             if t.first_token != m.sent:
                 self.violations.append(
-                    f"{t!r} starts at token {t.first_token}, but {t.lifecycle!r} had sent up to "
+                    f"{t!r} starts at token {t.first_token}, but its lifecycle had sent up to "
                     f"{m.sent}: a hole in its chain (F9)"
                 )
             if m.hole is not None:
@@ -408,12 +409,16 @@ class Observer:
                     "or to store: nothing after a hole can be reached (F33)"
                 )
             m.sent = max(m.sent, t.first_token + t.n_tokens)
-        if not set(t.device_pages) <= set(t.lifecycle.device_pages):
+        # The issuer, by id: a lifecycle submits only while live (from admission on).
+        lc = None if self.core is None else self.core.live.get(LifecycleId(lid))
+        if lc is None and self.core is not None:
+            self.violations.append(f"{t!r} was submitted for a lifecycle that is not live")
+        elif lc is not None and not set(t.device_pages) <= set(lc.device_pages):
             self.violations.append(f"{t!r} was submitted reading device pages its lifecycle does not hold")
         self.seen.add("submit")
 
     def on_refused(self, t: Transfer) -> None:
-        m = self.lcs.get(t.lifecycle.id)
+        m = self.lcs.get(t.lifecycle_id)
         if m is not None:
             m.refused = True
         self.seen.add("refused")
@@ -542,7 +547,7 @@ class Observer:
             problems.extend(self._delivered(self.transfers.pop(tid)))  # (no local keeps it: F2)
         inflight: dict[int, int] = {}
         for t in pending:
-            inflight[t.lifecycle.id] = inflight.get(t.lifecycle.id, 0) + 1
+            inflight[t.lifecycle_id] = inflight.get(t.lifecycle_id, 0) + 1
         if not delivered:
             for s in self.transfers.values():
                 if s.signalled:

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from kvoffload.errors import PoolExhausted
 
 if TYPE_CHECKING:
-    from kvoffload.backends.sim import SimBackend
+    from kvoffload.backends._sim import SimBackend
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.drivers.asyncio import OffloadManager
-    from kvoffload.lifecycle.core import Lifecycle
 
 __all__ = ["Request", "Schedule", "Step", "completion_orders", "request_streams", "run_schedule", "schedules"]
 

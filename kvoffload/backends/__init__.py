@@ -3,23 +3,48 @@
 ``resolve_backend("auto" | "sim" | "cpu" | "cuda" | instance)``. Importing this package
 imports no backend; ``"cuda"`` imports torch's CUDA path only when chosen. ``"auto"``
 (the manager's default) is ``"cuda"`` when ``torch.cuda.is_available()``, else ``"cpu"``.
+
+The backends' modules (``_sim``, ``_cpu``, ``_cuda``, and ``_threaded`` and ``_base``
+which they share) are private, as anyio's ``_backends``: their internals may change.
+The classes are public here: ``from kvoffload.backends import CpuBackend`` (or
+``CudaBackend``, ``SimBackend``) imports that one backend's module on first use.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from kvoffload.abc import EventBackend
 from kvoffload.errors import ConfigError
 
-__all__ = ["BACKENDS", "resolve_backend"]
+if TYPE_CHECKING:
+    from kvoffload.backends._cpu import CpuBackend
+    from kvoffload.backends._cuda import CudaBackend
+    from kvoffload.backends._sim import SimBackend
+
+__all__ = ["BACKENDS", "CpuBackend", "CudaBackend", "SimBackend", "resolve_backend"]
 
 #: Backend name -> "module:class".
 BACKENDS: dict[str, str] = {
-    "sim": "kvoffload.backends.sim:SimBackend",
-    "cpu": "kvoffload.backends.cpu:CpuBackend",
-    "cuda": "kvoffload.backends.cuda:CudaBackend",
+    "sim": "kvoffload.backends._sim:SimBackend",
+    "cpu": "kvoffload.backends._cpu:CpuBackend",
+    "cuda": "kvoffload.backends._cuda:CudaBackend",
 }
+
+#: Public class name -> backend name (its module is loaded on first use).
+_CLASSES: dict[str, str] = {"CpuBackend": "cpu", "CudaBackend": "cuda", "SimBackend": "sim"}
+
+
+def __getattr__(name: str) -> object:
+    """``CpuBackend``, ``CudaBackend``, ``SimBackend``: imported from their private
+    module on first access (so importing this package imports no backend)."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, cls = BACKENDS[_CLASSES[name]].partition(":")
+    value: object = getattr(importlib.import_module(module), cls)
+    globals()[name] = value  # later accesses skip this hook
+    return value
 
 
 def resolve_backend(backend: str | EventBackend) -> EventBackend:

@@ -304,7 +304,7 @@ class StreamWorker(threading.Thread, Generic[_Item]):
             try:
                 out.append(self.finish(item))
             except BaseException as e:  # a bug or an unexpected error: fail this transfer only
-                out.append((self.transfer_of(item), e))
+                out.append((self.transfer_of(item).id, e))
         return out
 
     def run(self) -> None:
@@ -326,8 +326,8 @@ class StreamWorker(threading.Thread, Generic[_Item]):
                     q.popleft()
                 batch = [*done, *self.take_done()]
             self._inbox.post(batch)
-            # Hold nothing of the batch while idle: its transfers name lifecycles, whose
-            # tag is the engine's request object (F2: garbage once released and dropped).
+            # Hold nothing of the batch while idle: its transfers hold their issuer's tag,
+            # the engine's request object (F2: garbage once released and dropped).
             del items, done, batch
 
     def take_done(self) -> list[Completion]:
@@ -340,7 +340,7 @@ class StreamWorker(threading.Thread, Generic[_Item]):
                 try:
                     c = self.done_nowait(q[0])
                 except BaseException as e:  # e.g. a CUDA error on this event: this transfer fails
-                    c = (self.transfer_of(q[0]), e)
+                    c = (self.transfer_of(q[0]).id, e)
                 if c is None:
                     break
                 q.popleft()
@@ -425,7 +425,7 @@ class ThreadedBackend(BackendBase, Generic[_Item]):
             try:
                 worker.put(self._start(t, worker))
             except Exception as e:  # a launch refused (F20): this transfer fails, the rest go on
-                self.inbox.post([(t, e if isinstance(e, BackendError) else BackendError(repr(e)))])
+                self.inbox.post([(t.id, e if isinstance(e, BackendError) else BackendError(repr(e)))])
 
     def take_completions(self, max_completions: int | None = None) -> list[Completion]:
         return self.inbox.take_nowait(max_completions)

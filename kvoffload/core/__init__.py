@@ -1,13 +1,17 @@
 """The core: pure, synchronous, deterministic bookkeeping (no anyio, no threads, no I/O).
 
-:class:`~kvoffload.core.offload.OffloadCore` keeps the registry of lifecycles, chunks
-and keys, host-page accounting, the ledger and the events; the drivers above it add
-only waiting. Rooms: ``offload`` (the core), ``events`` (event names, listeners,
-structlog gate), ``stats`` (counters and the statistics snapshot), ``ledger`` (the
-invariant check), ``watchdog`` (stuck copies, F18). The lifecycle objects and their
-compiled table are in :mod:`kvoffload.lifecycle`, which this layer shares.
+:class:`~kvoffload.core.offload.OffloadCore` is the facade; each group of state has
+one owner, its invariants beside it: ``lifecycle`` (the Lifecycle objects and their
+record of core-owned fields), ``registry`` (live lifecycles, state counts, the one
+table step, release), ``chunks`` (host pages, copies in flight, the submit planner,
+drops, holes, completions), ``deferral`` (chunks waiting for host pages), ``writes``
+(storage write jobs in chain order), ``step`` (every path that commits tokens, and
+the one undo) with ``rows`` (the batch rows it owns); ``events`` (listeners, the
+structlog gate), ``stats`` (counters and the snapshot), ``ledger`` (the invariant
+check), ``watchdog`` (stuck copies, F18). The lifecycle's declaration and compiled
+table are :mod:`kvoffload.lifecycle`, which imports nothing of the core.
 
-This package imports nothing eagerly (``kvoffload.lifecycle`` imports its events room).
+This package imports nothing eagerly.
 """
 
 from __future__ import annotations

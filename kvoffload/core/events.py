@@ -15,11 +15,16 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload.abc import Transfer
+    from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = [
     "DEBUG",
     "EVENT_NAMES",
+    "Events",
     "STDLIB_LOGGER",
     "Listener",
     "Log",
@@ -216,3 +221,48 @@ def refresh_debug() -> bool:
     """Recompute :data:`DEBUG` from the logging configuration; return it."""
     DEBUG.on = debug_enabled()
     return DEBUG.on
+
+
+class Events:
+    """One core's way out: its listeners, whether anyone observes (the hot paths' one
+    read), and the rate limits of its ``listener.failed`` lines. The core's rooms emit
+    through it; the facade (``OffloadCore.refresh_observed``) keeps :attr:`observed`."""
+
+    __slots__ = ("clock", "failures", "listeners", "observed")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.listeners: list[Listener] = []
+        # observed: whether events are built - a listener is attached or debug logging is
+        # seen (refreshed at each admit and listener change). Hot paths read only this.
+        self.observed = False
+        # failures: rate limits of this core's listener.failed lines, by event name, on
+        # this core's clock (never shared with another core: F39).
+        self.failures: dict[str, RateLimit] = {}
+
+    def emit(self, name: str, lc: Lifecycle, **fields: Any) -> None:
+        """Send event ``name`` about ``lc`` to the listeners and (at debug) structlog."""
+        fields["lifecycle"] = lc.id
+        fields["rid"] = lc.rid
+        fields["t"] = self.clock()
+        if self.listeners:
+            notify_listeners(self.listeners, name, fields, self.failures, self.clock)
+        if DEBUG.on:
+            log = lc._log
+            if log is None:
+                log = lc._log = logger.bind(lifecycle=lc.id, rid=lc.rid)
+            log.debug(name, **{k: v for k, v in fields.items() if k not in ("lifecycle", "rid")})
+
+    def delivery(
+        self, name: str, t: Transfer, lc: Lifecycle, now: float, page_bytes: int, **extra: Any
+    ) -> None:
+        """The event of ``lc``'s copy ``t`` delivered at ``now`` (completed, failed, discarded)."""
+        npages = len(t.host_pages)
+        latency = now - t.submitted_at
+        self.emit(
+            name, lc, transfer=t.id, pages=npages, bytes=npages * page_bytes, latency_s=latency, **extra
+        )
+
+    def notify(self, name: str, fields: dict[str, Any]) -> None:
+        """Send event ``name`` (``fields`` already named) to the listeners only."""
+        notify_listeners(self.listeners, name, fields, self.failures, self.clock)

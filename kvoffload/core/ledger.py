@@ -5,19 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvoffload.core.lifecycle import EXTEND_SELF_LOOP, LifecycleId
 from kvoffload.errors import InvariantViolation
 from kvoffload.keys import TOKEN_TYPECODE
-from kvoffload.lifecycle.core import EXTEND_SELF_LOOP
 from kvoffload.lifecycle.spec import LifecycleState
 
 if TYPE_CHECKING:
-    from kvoffload.core.offload import OffloadCore
+    from kvoffload.core.chunks import Chunks
+    from kvoffload.core.registry import Registry
     from kvoffload.core.rows import DecodeRows
+    from kvoffload.core.step import DecodeStep
 
 __all__ = ["check"]
 
 
-def check(mgr: OffloadCore) -> None:
+def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
     """Raise :class:`InvariantViolation` listing every broken rule."""
     problems: list[str] = []
 
@@ -25,10 +27,10 @@ def check(mgr: OffloadCore) -> None:
         if not ok:  # messages are built only when a rule is broken
             problems.append(what())
 
-    c = mgr.counters
-    cfg = mgr.config
+    c = registry.counters
+    cfg = registry.config
     ps = cfg.page_size
-    live = list(mgr.live.values())
+    live = list(registry.live.values())
     released = c.released_completed + c.released_aborted + c.released_failed
     # Rule 6: admitted = live + released.
     expect(
@@ -37,15 +39,15 @@ def check(mgr: OffloadCore) -> None:
     )
     for name in c.names:
         expect(getattr(c, name) >= 0, lambda: f"counter {name} is negative: {getattr(c, name)}")
-    rows = mgr.rows
+    rows = step.rows
     if rows is not None:
         _check_rows(rows, expect)
     counts = [0, 0, 0, 0]
     dev_pages: set[int] = set()
     # A stored prefix page may be held by several lifecycles (engine-owned mode: what a
     # prefix cache shares); names: how many hold each page held by more than one.
-    sharing = hasattr(mgr.device_pool, "shared_count")
-    shared = getattr(mgr.device_pool, "shared_count", lambda p: 0)
+    sharing = hasattr(registry.device_pool, "shared_count")
+    shared = getattr(registry.device_pool, "shared_count", lambda p: 0)
     names: dict[int, int] = {}
     inflight_sum = 0
     for lc in live:
@@ -68,7 +70,9 @@ def check(mgr: OffloadCore) -> None:
         )
         expect(lc._cap == len(lc.device_pages) * ps, lambda: f"{lc!r}: capacity {lc._cap} out of sync")
         narrow = lc._tail.typecode == TOKEN_TYPECODE
-        quiet = lc.due - 1 if lc._s in (0, 1) and narrow and not mgr.observed and lc._row < 0 else -1
+        quiet = (
+            lc.due - 1 if lc._s in (0, 1) and narrow and not registry.events.observed and lc._row < 0 else -1
+        )
         expect(lc._quiet == quiet, lambda: f"{lc!r}: fast-path threshold {lc._quiet}, should be {quiet}")
         expect(lc.inflight >= 0, lambda: f"{lc!r}: negative inflight")
         if lc._s == LifecycleState.PENDING.value:
@@ -81,7 +85,7 @@ def check(mgr: OffloadCore) -> None:
                 lambda: f"{lc!r} is FINISHING with nothing in flight and nothing deferred",
             )
         if lc._deferred_since is not None:
-            expect(lc in mgr.deferred, lambda: f"{lc!r} is deferred but not queued")
+            expect(lc in chunks.wait.queue, lambda: f"{lc!r} is deferred but not queued")
         # No holes (F33): offload stopped at a hole submits nothing and waits for nothing.
         expect(lc.pages_lost == 0, lambda: f"{lc!r} is live with pages_lost {lc.pages_lost}")
         if lc._stop >= 0:
@@ -95,7 +99,7 @@ def check(mgr: OffloadCore) -> None:
                 expect(shared(p) > 0, lambda: f"device page {p} held by two lifecycles")
             dev_pages.add(p)
             expect(
-                mgr.device_pool.is_allocated(p),
+                registry.device_pool.is_allocated(p),
                 lambda: f"{lc!r} holds device page {p} that the pool thinks is free",
             )
         inflight_sum += lc.inflight
@@ -106,31 +110,36 @@ def check(mgr: OffloadCore) -> None:
             k == 0 or k == names.get(p, 1),
             lambda: f"device page {p} is shared by {k} lifecycles, {names.get(p, 1)} hold it",
         )
-    expect(counts == mgr.state_counts, lambda: f"state counts {mgr.state_counts} != registry {counts}")
+    expect(
+        counts == registry.state_counts, lambda: f"state counts {registry.state_counts} != registry {counts}"
+    )
     # Rule 2: device pages are held by live lifecycles only, exactly.
     expect(
-        mgr.device_pool.used == dev_total,
-        lambda: f"device pool used {mgr.device_pool.used} != held by live lifecycles {dev_total}",
+        registry.device_pool.used == dev_total,
+        lambda: f"device pool used {registry.device_pool.used} != held by live lifecycles {dev_total}",
     )
     # Rule 1 and 6: every in-flight transfer belongs to a live lifecycle; counts agree.
     expect(
-        len(mgr.inflight) == c.chunks_inflight == inflight_sum,
+        len(chunks.inflight) == c.chunks_inflight == inflight_sum,
         lambda: (
-            f"in flight: {len(mgr.inflight)} transfers, counter {c.chunks_inflight}, "
+            f"in flight: {len(chunks.inflight)} transfers, counter {c.chunks_inflight}, "
             f"lifecycles {inflight_sum}"
         ),
     )
     host_inflight = 0
     prev_seq = -1  # in flight in submission order (tensor-parallel ranks agree by it)
-    for t in mgr.inflight.values():
-        expect(prev_seq < t.seq < mgr.next_seq, lambda: f"{t!r}: seq {t.seq} out of submission order")
+    for t in chunks.inflight.values():
+        expect(prev_seq < t.seq < chunks.next_seq, lambda: f"{t!r}: seq {t.seq} out of submission order")
         prev_seq = t.seq
-        expect(t.lifecycle._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
-        expect(t.lifecycle.id in mgr.live, lambda: f"{t!r} in flight for an unregistered lifecycle")
-        expect(
-            set(t.device_pages) <= set(t.lifecycle.device_pages),
-            lambda: f"{t!r} reads device pages its lifecycle does not hold",
-        )
+        # Its lifecycle, by id: a lifecycle with a copy in flight is never RELEASED (live).
+        owner = registry.live.get(LifecycleId(t.lifecycle_id))
+        expect(owner is not None, lambda: f"{t!r} in flight for an unregistered lifecycle")
+        if owner is not None:
+            expect(owner._s != 3, lambda: f"{t!r} in flight for a RELEASED lifecycle")
+            expect(
+                set(t.device_pages) <= set(owner.device_pages),
+                lambda: f"{t!r} reads device pages its lifecycle does not hold",
+            )
         expect(
             not sharing or not any(shared(p) for p in t.device_pages),
             lambda: f"{t!r} reads a stored prefix page (shared, never copied)",
@@ -141,25 +150,27 @@ def check(mgr: OffloadCore) -> None:
     )
     # Writes wait in chain order (F33): a held job is not handed out (nor in writes) and
     # starts after its live lifecycle's oldest chunk still in flight.
-    out = {id(j) for j in mgr._write_out}
+    out = {id(j) for j in chunks.writes.out}
     held_pages = 0
-    for lid, waiting in mgr.held.items():
-        owner = mgr.live.get(lid)
+    for lid, waiting in chunks.writes.held.items():
+        owner = registry.live.get(lid)
         expect(owner is not None and bool(waiting), lambda: f"write jobs held for lifecycle #{lid}, not live")
         front = owner._front if owner is not None else -1
         for first, job in waiting.items():
             expect(
-                job.id not in mgr.writes and id(job) not in out and job.first_token == first,
+                job.id not in chunks.writes.jobs and id(job) not in out and job.first_token == first,
                 lambda: f"{job!r} is held but also handed out",
             )
             held_pages += len(job.host_pages)
             expect(first > front >= 0, lambda: f"{job!r} is held but nothing before it is in flight")
-    host_writes = sum(len(j.host_pages) for j in mgr.writes.values()) + held_pages
+    host_writes = sum(len(j.host_pages) for j in chunks.writes.jobs.values()) + held_pages
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
     expect(
-        mgr.host_pool.used == host_inflight + host_writes,
-        lambda: f"host pool used {mgr.host_pool.used} != in flight {host_inflight} + in write {host_writes}",
+        chunks.host_pool.used == host_inflight + host_writes,
+        lambda: (
+            f"host pool used {chunks.host_pool.used} != in flight {host_inflight} + in write {host_writes}"
+        ),
     )
     # Rule 6: the chunk and page ledgers.
     expect(
@@ -180,12 +191,12 @@ def check(mgr: OffloadCore) -> None:
         lambda: "pages: copied != stored + store_failed + store_skipped + in_write + not_stored",
     )
     expect(
-        all(lc._deferred_since is not None for lc in mgr.deferred),
+        all(lc._deferred_since is not None for lc in chunks.wait.queue),
         lambda: "a non-deferred lifecycle is queued as deferred",
     )
     try:
-        mgr.device_pool.check()
-        mgr.host_pool.check()
+        registry.device_pool.check()
+        chunks.host_pool.check()
     except AssertionError as exc:
         problems.append(str(exc))
     if problems:
@@ -219,7 +230,7 @@ def _check_rows(rows: DecodeRows, expect: Callable[[bool, Callable[[], str]], No
             lambda: f"{lc!r}: its row does not take its pages at steps {phase} mod {rows.page_size}",
         )
         expect(
-            EXTEND_SELF_LOOP[lc._s] and not rows.core.observed,
+            EXTEND_SELF_LOOP[lc._s] and not rows.events.observed,
             lambda: f"{lc!r} holds a row but extend is not its plain step",
         )
         expect(

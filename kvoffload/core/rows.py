@@ -21,19 +21,22 @@ lifecycle takes the ordinary paths. Pure: numpy arrays and Python objects, no I/
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from itertools import compress
 from operator import attrgetter, is_not
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from kvoffload.core.lifecycle import EXTEND_SELF_LOOP, Lifecycle, LifecycleCore, requiet
 from kvoffload.errors import PageError
 from kvoffload.keys import TOKEN_TYPECODE
-from kvoffload.lifecycle.core import EXTEND_SELF_LOOP, Lifecycle
 from kvoffload.pools import page_ids
 
 if TYPE_CHECKING:
-    from kvoffload.core.offload import OffloadCore
+    from kvoffload.config import OffloadConfig
+    from kvoffload.core.chunks import Chunks
+    from kvoffload.core.events import Events
     from kvoffload.pools import DevicePool, EnginePages
 
 __all__ = ["DecodeRows"]
@@ -64,7 +67,10 @@ def token_column(tokens: Any) -> np.ndarray | None:
 
 
 class DecodeRows:
-    """The rows of one core (see the module doc). Called by :class:`OffloadCore` only.
+    """The rows of one core (see the module doc), owned by its decode step
+    (:class:`~kvoffload.core.step.DecodeStep`): the due chunks go out through the
+    chunks' planner (``chunks.submit_run``), a refused one is undone by the step's
+    ``undo``.
 
     ``step_batch(lifecycles, tokens, pages, ready)`` applies a decode step of one token
     per lifecycle and returns True, or returns False having changed nothing when the
@@ -72,9 +78,22 @@ class DecodeRows:
     ordinary path).
     """
 
-    def __init__(self, core: OffloadCore) -> None:
+    def __init__(
+        self,
+        core: LifecycleCore,
+        config: OffloadConfig,
+        device_pool: DevicePool | EnginePages,
+        chunks: Chunks,
+        events: Events,
+        undo: Callable[[Lifecycle, int, int], None],
+    ) -> None:
+        # core: the core whose lifecycles hold these rows (``lc._core``).
         self.core = core
-        cfg = core.config
+        self.device_pool = device_pool
+        self.chunks = chunks
+        self.events = events
+        self.undo = undo
+        cfg = config
         self.page_size = cfg.page_size
         self.engine = cfg.device_pages is None
         # width: steps a row may hold; a row is synced at least every width steps.
@@ -200,7 +219,7 @@ class DecodeRows:
         if due:
             progress = [0]
             try:
-                self.core._submit_rows(due, ready, self.core.clock(), progress)
+                self.chunks.submit_run(due, ready, self.chunks.clock(), progress)
             except BaseException:
                 self._undo_step(lcs, at[due[progress[0]]._row], paged, new_pages)
                 raise
@@ -233,7 +252,7 @@ class DecodeRows:
         if not self.engine:
             if not k:
                 return []
-            pool = cast("DevicePool", self.core.device_pool)
+            pool = cast("DevicePool", self.device_pool)
             if k > pool.free_pages:
                 return None
             got = pool.allocate(k)
@@ -243,7 +262,7 @@ class DecodeRows:
             return [] if not k else None
         if list(compress(range(len(lcs)), pages)) != page_pos:
             return None  # pages given where none starts, or missing where one does
-        pool_e = cast("EnginePages", self.core.device_pool)
+        pool_e = cast("EnginePages", self.device_pool)
         ids: list[int] = []
         for p in page_pos:
             given = pages[p]
@@ -267,28 +286,19 @@ class DecodeRows:
     def _undo_step(self, lcs: list[Lifecycle], p: int, paged: list[int], new_pages: list[int]) -> None:
         """The mover refused the chunk of the entry at position ``p``: the entries before
         it keep this step (as the sequential extends would), it and the ones after do
-        not - no token, no new page - and every row is given back."""
-        ps = self.page_size
+        not - no token, no new page, each through the step's ``undo``, last first (the
+        pool's free list as it was) - and every row is given back."""
         s1 = self.step
-        at = self.at
-        back = []
-        for r, page in zip(paged, new_pages, strict=True):
-            if at[r] >= p:
-                lc = cast("Lifecycle", self.row_lc[r])
-                lc.device_pages.pop()
-                lc._cap -= ps
-                back.append(page)
-        if back:
-            back.reverse()  # the last taken first: the pool's free list as it was
-            self.core.device_pool.free(back)
-        for i, lc in enumerate(lcs):
-            if i < p:  # keeps this step's token
-                self.sync(lc)
+        took = {self.row_lc[r]: True for r in paged if self.at[r] >= p}
+        for i in range(len(lcs) - 1, p - 1, -1):
+            lc = lcs[i]
+            synced = lc._from == s1  # this step's token is the last of its tail
+            self.undo(lc, 1 if synced else 0, len(lc.device_pages) - took.pop(lc, False))
+            if synced:
                 lc._from = s1 - 1
-            elif lc._from == s1:  # synced: this step's token is the last of its tail
-                lc._tail.pop()
-                lc._committed -= 1
-                lc._from = s1 - 1
+        for lc in lcs[:p]:  # keeps this step's token
+            self.sync(lc)
+            lc._from = s1 - 1
         self.step = s1 - 1
         self.detach_all()
 
@@ -301,7 +311,7 @@ class DecodeRows:
         lifecycles that hold a row are recognised by identity in C-level loops, and
         only the new and the gone ones are looked at one by one."""
         core = self.core
-        if core.observed:
+        if self.events.observed:
             return False
         n = len(lcs)
         row_lc = self.row_lc
@@ -403,7 +413,7 @@ class DecodeRows:
         lc._row = -1
         self.attached -= 1
         self.batch = None  # the next step seats its batch afresh
-        self.core._requiet(lc)
+        requiet(lc, self.events.observed)
 
     def detach_all(self) -> None:
         """Give every row back (their lifecycles' steps no longer line up with the

@@ -12,66 +12,75 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvoffload.core.events import logger, notify_listeners
-from kvoffload.lifecycle.core import LifecycleId
+from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import LifecycleId
 
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
-    from kvoffload.core.offload import OffloadCore
+    from kvoffload.core.chunks import Chunks
+    from kvoffload.core.registry import Registry
 
-__all__ = ["report_stuck", "stuck_lifecycles"]
-
-
-def stuck_lifecycles(mgr: OffloadCore) -> list[tuple[LifecycleId, Transfer, float]]:
-    """(lifecycle id, its oldest transfer, that copy's age) for every lifecycle with a
-    copy in flight past the deadline. O(chunks in flight)."""
-    limit = mgr.config.stuck_after_s
-    if limit is None:
-        return []
-    now = mgr.clock()
-    oldest: dict[LifecycleId, Transfer] = {}
-    for t in mgr.inflight.values():
-        if now - t.submitted_at > limit:
-            lid = t.lifecycle.id
-            seen = oldest.get(lid)
-            if seen is None or t.submitted_at < seen.submitted_at:
-                oldest[lid] = t
-    return [(lid, t, now - t.submitted_at) for lid, t in oldest.items()]
+__all__ = ["Watchdog"]
 
 
-def report_stuck(mgr: OffloadCore) -> None:
-    """Log and count every newly stuck copy (each transfer is reported once)."""
-    reported = mgr.stuck_reported
-    for lid, t, age in stuck_lifecycles(mgr):
-        if t.id in reported:
-            continue
-        reported.add(t.id)
-        lc = t.lifecycle
-        mgr.counters.stuck_reports += 1
-        logger.warning(
-            "lifecycle.stuck",
-            lifecycle=lid,
-            rid=lc.rid,
-            state=lc.state.name,
-            transfer=t.id,
-            seconds=round(age, 3),
-            inflight=lc.inflight,
-            seconds_in_state=round(mgr.clock() - lc.state_since, 3),
-        )
-        notify_listeners(
-            mgr.listeners,
-            "lifecycle.stuck",
-            {
-                "lifecycle": lid,
-                "rid": lc.rid,
-                "state": lc.state.name,
-                "transfer": t.id,
-                "seconds": age,
-                "t": mgr.clock(),
-            },
-            mgr.listener_failures,
-            mgr.clock,
-        )
-    inflight = mgr.inflight
-    for tid in [tid for tid in reported if tid not in inflight]:
-        reported.discard(tid)  # delivered: forget it
+class Watchdog:
+    """The stuck-copy watchdog of one core: which copies it reported (each once)."""
+
+    def __init__(self, registry: Registry, chunks: Chunks) -> None:
+        self.registry = registry
+        self.chunks = chunks
+        # reported: ids of in-flight transfers reported stuck; a delivered one is forgotten.
+        # Invariant (after report()): self.reported <= set(chunks.inflight)
+        self.reported: set[int] = set()
+
+    def stuck(self) -> list[tuple[LifecycleId, Transfer, float]]:
+        """(lifecycle id, its oldest transfer, that copy's age) for every lifecycle with a
+        copy in flight past the deadline. O(chunks in flight)."""
+        limit = self.registry.config.stuck_after_s
+        if limit is None:
+            return []
+        now = self.registry.clock()
+        oldest: dict[LifecycleId, Transfer] = {}
+        for t in self.chunks.inflight.values():
+            if now - t.submitted_at > limit:
+                lid = LifecycleId(t.lifecycle_id)
+                seen = oldest.get(lid)
+                if seen is None or t.submitted_at < seen.submitted_at:
+                    oldest[lid] = t
+        return [(lid, t, now - t.submitted_at) for lid, t in oldest.items()]
+
+    def report(self) -> None:
+        """Log and count every newly stuck copy (each transfer is reported once)."""
+        reported = self.reported
+        registry = self.registry
+        clock = registry.clock
+        for lid, t, age in self.stuck():
+            if t.id in reported:
+                continue
+            reported.add(t.id)
+            lc = registry.live[lid]  # a lifecycle with a copy in flight is live
+            registry.counters.stuck_reports += 1
+            logger.warning(
+                "lifecycle.stuck",
+                lifecycle=lid,
+                rid=lc.rid,
+                state=lc.state.name,
+                transfer=t.id,
+                seconds=round(age, 3),
+                inflight=lc.inflight,
+                seconds_in_state=round(clock() - lc.state_since, 3),
+            )
+            registry.events.notify(
+                "lifecycle.stuck",
+                {
+                    "lifecycle": lid,
+                    "rid": lc.rid,
+                    "state": lc.state.name,
+                    "transfer": t.id,
+                    "seconds": age,
+                    "t": clock(),
+                },
+            )
+        inflight = self.chunks.inflight
+        for tid in [tid for tid in reported if tid not in inflight]:
+            reported.discard(tid)  # delivered: forget it

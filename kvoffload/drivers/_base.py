@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
+from kvoffload.core.lifecycle import Lifecycle, wrong_thread
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
-from kvoffload.lifecycle.core import Lifecycle, wrong_thread
 from kvoffload.lifecycle.table import validate
 from kvoffload.pools import EnginePages
 
@@ -89,8 +89,6 @@ class DriverBase:
     """The parts of :class:`~kvoffload.OffloadManager` and
     :class:`~kvoffload.SyncOffloadManager` that do not depend on how they wait."""
 
-    #: The core class (the mutation meta-tests put a broken one here).
-    _core_class: ClassVar[type[OffloadCore]] = OffloadCore
     #: What the driver is called in errors.
     _kind: ClassVar[str] = "manager"
 
@@ -133,7 +131,7 @@ class DriverBase:
         self.host_pool: HostPool = host
         page_bytes = host.tensor[0].numel() * host.tensor.element_size() if host.n_pages else 0
         self.page_bytes = page_bytes
-        self.core: OffloadCore = self._core_class(
+        self.core: OffloadCore = OffloadCore(
             config,
             device_pool=device,
             host_pool=host,
@@ -214,10 +212,10 @@ class DriverBase:
         except KVOffloadError as exc:
             seen: set[int] = set()
             known = []
-            for t, e in batch:
-                if t.id in core.inflight and t.id not in seen:
-                    seen.add(t.id)
-                    known.append((t, e))
+            for tid, e in batch:
+                if tid in core.inflight and tid not in seen:
+                    seen.add(tid)
+                    known.append((tid, e))
             logger.error(
                 "manager.step_failed", step="deliver", skipped=len(batch) - len(known), error=repr(exc)
             )
@@ -328,7 +326,7 @@ class DriverBase:
         self._check_owner("len(mgr)")
         return len(self.core.live)
 
-    # --- the lifecycle protocol (kvoffload.lifecycle.core.LifecycleHost) ---------------------
+    # --- the lifecycle protocol (kvoffload.core.lifecycle.LifecycleHost) ---------------------
 
     def finish_lifecycle(self, lc: Lifecycle) -> None:
         """``lc.finish()``: the core's step, then ``on_released`` if it released ``lc``.

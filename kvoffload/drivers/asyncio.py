@@ -25,9 +25,9 @@ import anyio
 from kvoffload.abc import Completion, EventBackend, Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers._base import DriverBase, first_error
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, ManagerClosed
-from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
     from kvoffload.storage.writer import AsyncWriter, WritePolicy, WriteResult
@@ -376,13 +376,7 @@ class OffloadManager(DriverBase):
             if self._closed and not lc.quiescent:
                 raise ManagerClosed(f"{lc!r}: the manager is closed; its chunk in flight will never complete")
             # One waker per lifecycle and kind, shared by every waiter (the core sets it once).
-            ev = lc._released_ev if released else lc._quiet_ev
-            if ev is None:
-                ev = anyio.Event()
-                if released:
-                    lc._released_ev = ev
-                else:
-                    lc._quiet_ev = ev
+            ev = lc.waker(released, anyio.Event)
             assert isinstance(ev, anyio.Event)
             if self.backend.needs_polling:
                 with anyio.move_on_after(1e-3):

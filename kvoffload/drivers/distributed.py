@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer, WriteJob
 from kvoffload.config import OffloadConfig
+from kvoffload.core.events import logger
 from kvoffload.errors import (
     BackendError,
     ConfigError,
@@ -363,16 +364,30 @@ class RankAgreement:
         short of the others'). A rank that copies nothing ("shared" keys, rank > 0)
         holds ``t`` as done at once."""
         if not self.copies_here:
-            self.copies[t.seq] = (t, None)
+            self.copies[t.seq] = (t.id, None)
             return
         try:
             backend.submit(t)
         except Exception as exc:
-            self.copies[t.seq] = (t, exc)
+            self.copies[t.seq] = (t.id, exc)
 
-    def hold_copies(self, batch: list[Completion]) -> None:
-        """Completions this rank's backend signalled: held until every rank has them."""
-        self.copies.update({c[0].seq: c for c in batch})
+    def hold_copies(self, batch: list[Completion], core: OffloadCore) -> None:
+        """Completions this rank's backend signalled: held until every rank has them, by
+        the ``seq`` of the transfer each names (``core``'s transfer of that id). One that
+        names no transfer in flight (a backend's bug) is logged and dropped, as the
+        drivers drop it outside a group."""
+        inflight, copies = core.inflight, self.copies
+        for c in batch:
+            t = inflight.get(c[0])
+            if t is None:
+                logger.error(
+                    "manager.step_failed",
+                    step="deliver",
+                    skipped=1,
+                    error=f"transfer #{c[0]} completed twice or was never submitted",
+                )
+                continue
+            copies[t.seq] = c
 
     def hold_writes(self, results: list[WriteResult]) -> None:
         """Storage writes this rank finished: held until every rank finished them."""
@@ -484,9 +499,10 @@ class RankAgreement:
             if limit <= 0:
                 break
             limit -= 1
-            c = pop(window[i].seq)  # held here: the MIN is above 0
+            t = window[i]
+            c = pop(t.seq)  # held here: the MIN is above 0
             if code == _FAILED and c[1] is None:
-                c = (c[0], _failed_elsewhere(c[0]))
+                c = (c[0], _failed_elsewhere(t))
             take(c)
         base = HEADER + self.window
         for i, code in enumerate(a[base : base + len(jobs)].tolist()):

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers._base import DriverBase, check_timeout, first_error
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
-from kvoffload.lifecycle.core import Lifecycle
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable
@@ -326,7 +326,7 @@ class SyncOffloadManager(DriverBase):
                 results = writer.take_results()
         else:
             if backend.ready or backend.needs_polling:
-                tp.hold_copies(backend.take_completions())
+                tp.hold_copies(backend.take_completions(), core)
             if writer is not None:
                 tp.hold_writes(writer.take_results())
             agreed = tp.exchange(kind, core, limit=max_completions, late=late)

@@ -43,105 +43,17 @@ from typing import Any
 
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers.sync import SyncOffloadManager
-from kvoffload.errors import ConfigError, PageError, UnsupportedKVPool
+from kvoffload.errors import ConfigError, PageError
+from kvoffload.integrations.sglang_format import engine_kv_tensors
 from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
-from kvoffload.lifecycle.core import Lifecycle
 
 __all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors", "sglang_l3_storage"]
 
 #: SGLang's default directory of its file storage backend (``HiCacheFile``).
 SGLANG_FILE_DIR = "/tmp/hicache"
-#: Buffers a plain MHA / MLA pool holds; any other ``*_buffer`` is per-token state this
-#: integration would not copy (an indexer's keys, scales, labels): refused.
-_KV_BUFFERS = {"mha": ("k_buffer", "v_buffer"), "mla": ("kv_buffer",)}
 _NO_ROW = (None, -1)
-
-
-def _page_tensors(name: str, buffers: Any, page_size: int) -> list[Any]:
-    """Each buffer of a pool as ``(num_pages, page_size, ...)`` views (no copy)."""
-    if not isinstance(buffers, (list, tuple)) or not buffers:
-        raise UnsupportedKVPool(f"the KV pool's {name} is {type(buffers).__name__}, not a list of tensors")
-    views = []
-    for i, t in enumerate(buffers):
-        rows = int(t.shape[0])
-        if rows % page_size:
-            raise UnsupportedKVPool(
-                f"the KV pool's {name}[{i}] has {rows} token rows, not a whole number of pages of {page_size}"
-            )
-        if not t.is_contiguous():
-            raise UnsupportedKVPool(f"the KV pool's {name}[{i}] is not contiguous")
-        views.append(t.view(rows // page_size, page_size, *t.shape[1:]))
-    return views
-
-
-def engine_kv_tensors(kv_pool: Any, page_size: int) -> tuple[str, list[Any]]:
-    """SGLang's KV pool as engine-owned ``device_kv``: ``("mha", [K0, V0, K1, V1, ...])``
-    or ``("mla", [KV0, KV1, ...])``, each a ``(num_pages, page_size, ...)`` view of the
-    pool's own buffer.
-
-    Raises :class:`~kvoffload.UnsupportedKVPool` for what this integration cannot offload
-    yet, naming it: sliding-window (SWA) and hybrid (linear attention / Mamba) pools, a
-    pool with per-token state besides K and V (an NSA indexer's keys, FP4 scales,
-    DoubleSparse labels), SGLang's HND layout (``SGLANG_USE_HND_KVCACHE=1``: buffers of
-    pages, not token rows), a device other than CUDA or CPU (NPU), buffers that are not
-    whole pages.
-    """
-    kind_name = type(kv_pool).__name__
-    if "SWA" in kind_name or hasattr(kv_pool, "swa_kv_pool") or hasattr(kv_pool, "full_kv_pool"):
-        raise UnsupportedKVPool(
-            f"{kind_name}: sliding-window (SWA) KV pools are not supported yet; "
-            "supported: a plain MHA pool (k_buffer, v_buffer) or MLA pool (kv_buffer)"
-        )
-    if "Hybrid" in kind_name or "Mamba" in kind_name or hasattr(kv_pool, "mamba_pool"):
-        raise UnsupportedKVPool(
-            f"{kind_name}: hybrid (linear-attention / Mamba) KV pools are not supported yet; "
-            "supported: a plain MHA pool (k_buffer, v_buffer) or MLA pool (kv_buffer)"
-        )
-    layout = getattr(kv_pool, "kv_cache_layout", None)
-    if layout not in (None, "nhd"):
-        # SGLang's HND layout (SGLANG_USE_HND_KVCACHE=1) holds each buffer as (pages,
-        # heads, page size, head dim): its first dimension is not one row per token.
-        raise UnsupportedKVPool(
-            f"{kind_name} has kv_cache_layout={layout!r}: only the token-major 'nhd' layout "
-            "(one row per token) is supported"
-        )
-    if hasattr(kv_pool, "k_buffer") and hasattr(kv_pool, "v_buffer"):
-        kind = "mha"
-        k = _page_tensors("k_buffer", kv_pool.k_buffer, page_size)
-        v = _page_tensors("v_buffer", kv_pool.v_buffer, page_size)
-        if len(k) != len(v):
-            raise UnsupportedKVPool(f"{kind_name}: {len(k)} K buffers but {len(v)} V buffers")
-        tensors = [t for pair in zip(k, v, strict=True) for t in pair]
-    elif hasattr(kv_pool, "kv_buffer"):
-        kind = "mla"
-        tensors = _page_tensors("kv_buffer", kv_pool.kv_buffer, page_size)
-    else:
-        raise UnsupportedKVPool(
-            f"{kind_name}: not a KV pool this integration knows (no k_buffer/v_buffer, no kv_buffer); "
-            "supported: a plain MHA or MLA pool"
-        )
-    # Per-token state besides the KV: another *_buffer, or a *_cache object (DSA's NSA
-    # indexer keys live in ``index_key_cache``, an IndexKeyCache; a flag such as MHA's
-    # ``use_native_move_kv_cache`` is no state).
-    extra = sorted(
-        a
-        for a, value in vars(kv_pool).items()
-        if a not in _KV_BUFFERS[kind]
-        and value is not None
-        and (a.endswith("_buffer") or (a.endswith("_cache") and not isinstance(value, (bool, int, str))))
-    )
-    if extra:
-        raise UnsupportedKVPool(
-            f"{kind_name} holds per-token state besides the KV ({', '.join(extra)}) that this "
-            "integration would not copy: not supported yet"
-        )
-    device = tensors[0].device
-    if device.type not in ("cuda", "cpu"):
-        raise UnsupportedKVPool(
-            f"{kind_name} is on {device}: only CUDA (and CPU, for tests) are supported; NPU is not yet"
-        )
-    return kind, tensors
 
 
 def sglang_l3_storage(
@@ -997,7 +909,7 @@ class DecodeKVCacheOffloadManager:
                 inflight=lc.inflight,
                 hint="call drain_before_retraction() before retracting",
             )
-            mine = [t.first_token for t in self.manager.core.inflight.values() if t.lifecycle is lc]
+            mine = [t.first_token for t in self.manager.core.inflight.values() if t.lifecycle_id == lc.id]
             stored = min(mine, default=stored)
             chain = self._chain_at(e, e.base + stored)
         e.resume = (e.base + stored, chain)

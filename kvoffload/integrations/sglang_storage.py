@@ -61,6 +61,7 @@ from kvoffload.integrations.sglang_format import (
     _check_sizes,
     _PutOnThread,
     _u8,
+    engine_kv_tensors,
     file_suffix,
 )
 
@@ -375,8 +376,6 @@ def _extra(extra_config: str | dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _kind_of(kv_pool: Any, page_size: int) -> str:
-    from kvoffload.integrations.sglang import engine_kv_tensors
-
     kind, _ = engine_kv_tensors(kv_pool, page_size)
     return kind
 

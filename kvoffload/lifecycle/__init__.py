@@ -1,8 +1,9 @@
-"""The lifecycle: its declaration (spec), compiled table, and Lifecycle objects."""
+"""The lifecycle's declaration: its spec (states, events, guards, transitions) and the
+table compiled from it. The live :class:`~kvoffload.Lifecycle` objects are the core's
+(``kvoffload.core.lifecycle``): this package imports nothing of the core."""
 
 from __future__ import annotations
 
-from kvoffload.lifecycle.core import Lifecycle, LifecycleId
 from kvoffload.lifecycle.spec import SPEC, LifecycleState, Outcome
 
-__all__ = ["SPEC", "Lifecycle", "LifecycleId", "LifecycleState", "Outcome"]
+__all__ = ["SPEC", "LifecycleState", "Outcome"]

@@ -2,7 +2,7 @@
 
 Everything else is derived from this module: the compiled runtime table
 (:mod:`kvoffload.lifecycle.table`), the ``transitions`` machine that validates the
-declaration and serves as the test oracle, and the diagrams (:mod:`kvoffload.graph`).
+declaration and serves as the test oracle, and the diagrams (:mod:`kvoffload.tools.graph`).
 No transition lives only in an ``if`` chain.
 """
 

@@ -34,11 +34,11 @@ NO_GPU = (
 def _make(name: str) -> EventBackend:
     """Each backend as the suite runs it: threaded ones with two streams."""
     if name == "cpu":
-        from kvoffload.backends.cpu import CpuBackend
+        from kvoffload.backends import CpuBackend
 
         return CpuBackend(streams=2)
     if name == "cuda":
-        from kvoffload.backends.cuda import CudaBackend
+        from kvoffload.backends import CudaBackend
 
         return CudaBackend(streams=2)
     return resolve_backend(name)
@@ -61,6 +61,7 @@ class _Owner:
     def __init__(self, i: int) -> None:
         self.id = i
         self.rid = f"r{i}"
+        self.tag = None
 
 
 class Harness:
@@ -96,7 +97,7 @@ class Harness:
     def make(self, device_pages: list[int], host_pages: list[int], stream: int = 0) -> Transfer:
         owner = _Owner(len(device_pages))
         n = len(device_pages) * CONFIG.page_size
-        return Transfer(owner, device_pages, host_pages, [], 0, n, 0.0, stream)  # type: ignore[arg-type]
+        return Transfer(owner, device_pages, host_pages, [], 0, n, 0.0, stream)
 
     def fail(self, t: Transfer, error: BaseException) -> None:
         self.faults[t.id] = error

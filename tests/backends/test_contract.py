@@ -38,7 +38,7 @@ async def test_submit_returns_before_any_copy_finishes(harness: Harness) -> None
     assert h.backend.signalled == 0
     h.gate.set()
     got = await h.collect(4)
-    assert sorted(t.id for t, _ in got) == sorted(t.id for t in ts)
+    assert sorted(tid for tid, _ in got) == sorted(t.id for t in ts)
 
 
 async def test_each_submitted_transfer_completes_exactly_once(harness: Harness) -> None:
@@ -51,7 +51,7 @@ async def test_each_submitted_transfer_completes_exactly_once(harness: Harness) 
     for t in ts:
         h.backend.submit(t)
     got = await h.collect(len(ts))
-    ids = [t.id for t, _ in got]
+    ids = [tid for tid, _ in got]
     assert len(set(ids)) == len(ids) == len(ts)
     assert set(ids) == {t.id for t in ts}
     assert all(err is None for _, err in got)
@@ -74,8 +74,9 @@ async def test_completions_of_one_stream_come_in_submission_order(harness: Harne
     for t in ts:
         h.backend.submit(t)
     got = await h.collect(len(ts))
+    stream = {t.id: t.stream for t in ts}
     for s in range(h.backend.streams):
-        assert [t.id for t, _ in got if t.stream == s] == [t.id for t in ts if t.stream == s]
+        assert [tid for tid, _ in got if stream[tid] == s] == [t.id for t in ts if t.stream == s]
 
 
 async def test_a_failed_copy_fails_that_transfer_only(harness: Harness) -> None:
@@ -89,7 +90,7 @@ async def test_a_failed_copy_fails_that_transfer_only(harness: Harness) -> None:
     h.fail(ts[2], boom)
     for t in ts:
         h.backend.submit(t)
-    got = dict((t.id, err) for t, err in await h.collect(6))
+    got = dict(await h.collect(6))
     assert got.pop(ts[2].id) is boom
     assert all(err is None for err in got.values())
     for t in ts:
@@ -113,8 +114,10 @@ async def test_host_bytes_equal_device_bytes_at_submit(harness: Harness) -> None
     expected = {t.id: _expect(h, t.device_pages) for t in ts}
     for t in ts:
         h.backend.submit(t)
-    for t, err in await h.collect(len(ts)):
+    made = {t.id: t for t in ts}
+    for tid, err in await h.collect(len(ts)):
         assert err is None
+        t = made[tid]
         assert torch.equal(h.host_bytes(t.host_pages), expected[t.id]), t
 
 
@@ -142,7 +145,7 @@ async def test_the_loop_runs_while_a_big_copy_is_in_flight(harness: Harness) -> 
     assert threading.get_ident() not in h.copy_threads
     h.gate.set()
     [(done, err)] = await h.collect(1)
-    assert done is t and err is None
+    assert done == t.id and err is None
     assert torch.equal(h.host_bytes(t.host_pages), _expect(h, t.device_pages))
 
 
@@ -174,7 +177,7 @@ async def test_shutdown_drains_copies_in_flight(harness: Harness) -> None:
         h.gate.set()
         got = await h.collect(len(ts))
     assert closed and h.backend.signalled == len(ts)
-    assert {t.id for t, _ in got} == {t.id for t in ts}
+    assert {tid for tid, _ in got} == {t.id for t in ts}
     for t in ts:
         assert torch.equal(h.host_bytes(t.host_pages), _expect(h, t.device_pages))
     with pytest.raises(kvo.BackendError):
@@ -197,5 +200,5 @@ async def test_submit_refuses_a_transfer_it_cannot_copy(harness: Harness) -> Non
     ok = h.make([5], [6])
     h.fill(5, 42.0)
     h.backend.submit(ok)
-    [(t, err)] = await h.collect(1)
-    assert t is ok and err is None and h.backend.signalled == 1
+    [(tid, err)] = await h.collect(1)
+    assert tid == ok.id and err is None and h.backend.signalled == 1

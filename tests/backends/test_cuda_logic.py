@@ -12,10 +12,11 @@ import anyio
 import pytest
 import pytest_asyncio
 import torch
+from support import PlainIssuer
 
 import kvoffload as kvo
+from kvoffload.backends._cuda import EventStream, InFlight, poll_completions
 from kvoffload.backends._threaded import CompletionInbox, CopyHooks
-from kvoffload.backends.cuda import EventStream, InFlight, poll_completions
 
 CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not CUDA, reason="no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -108,7 +109,7 @@ async def test_waiter_delivers_every_completed_head_in_one_batch_in_order(rig: R
     evs[0].done.set()
     with anyio.fail_after(20):
         batch = await rig.inbox.wait()  # one batch: the waiter posted all three at once
-    assert [t.id for t, _ in batch] == [0, 1, 2] and all(err is None for _, err in batch)
+    assert [tid for tid, _ in batch] == [0, 1, 2] and all(err is None for _, err in batch)
     assert rig.recycled == evs
     assert evs[1].syncs == evs[2].syncs == 0  # the query fast path: no blocking wait
 
@@ -120,8 +121,8 @@ async def test_waiter_takes_the_query_fast_path_for_a_finished_event(rig: Rig) -
     e.done.set()
     rig.put(e)
     rig.stream.start()
-    [(t, err)] = await rig.collect(1)
-    assert t.id == 0 and err is None and e.syncs == 0 and rig.recycled == [e]
+    [(tid, err)] = await rig.collect(1)
+    assert tid == 0 and err is None and e.syncs == 0 and rig.recycled == [e]
 
 
 @pytest.mark.asyncio
@@ -135,7 +136,7 @@ async def test_a_failed_event_fails_its_transfer_only_and_is_not_reused(rig: Rig
     rig.stream.start()
     rig.put(*evs)
     got = await rig.collect(3)
-    assert [t.id for t, _ in got] == [0, 1, 2]
+    assert [tid for tid, _ in got] == [0, 1, 2]
     assert [err for _, err in got] == [None, boom, None]
     assert rig.recycled == [evs[0], evs[2]]
 
@@ -154,7 +155,7 @@ async def test_an_injected_failure_is_reported_after_the_copy_ended() -> None:
     assert r.inbox.signalled == 0
     evs[0].done.set()
     got = await r.collect(2)
-    assert [(t.id, err) for t, err in got] == [(0, boom), (1, None)]
+    assert got == [(0, boom), (1, None)]
     r.stream.close()
     await anyio.to_thread.run_sync(r.stream.join)
 
@@ -173,7 +174,7 @@ async def test_close_drains_the_waiter_before_its_thread_exits(rig: Rig) -> None
     for e in evs:
         e.done.set()
     await anyio.to_thread.run_sync(rig.stream.join)
-    assert [t.id for t, _ in rig.inbox.take_nowait()] == [0, 1, 2] and rig.stream.queued == 0
+    assert [tid for tid, _ in rig.inbox.take_nowait()] == [0, 1, 2] and rig.stream.queued == 0
 
 
 @pytest.mark.asyncio
@@ -195,21 +196,21 @@ async def test_poll_mode_delivers_only_from_the_head_in_order() -> None:
     e1.done.set()
     with anyio.fail_after(20):
         batch = await poll_completions([rig.stream], rig.inbox)
-    assert [(t.id, err) for t, err in batch] == [(0, None), (1, None)] and rig.recycled == [e1, e2]
+    assert batch == [(0, None), (1, None)] and rig.recycled == [e1, e2]
     assert e1.syncs == e2.syncs == 0 and ended == [0, 1]  # polling never blocks
     boom = RuntimeError("CUDA error: unspecified launch failure")
     e3 = FakeEvent("3", error=boom)
     e3.done.set()
     rig.put(e3)
     with anyio.fail_after(20):
-        [(t, err)] = await poll_completions([rig.stream], rig.inbox)
-    assert t.id == 2 and err is boom and e3 not in rig.recycled  # a failed event is not reused
+        [(tid, err)] = await poll_completions([rig.stream], rig.inbox)
+    assert tid == 2 and err is boom and e3 not in rig.recycled  # a failed event is not reused
 
 
 @pytest.mark.skipif(CUDA, reason="a GPU is present: the no-GPU error cannot be shown")
 def test_cuda_without_a_gpu_raises_a_clear_backend_error() -> None:
     """backend="cuda" without a GPU raises BackendError saying so and naming the way out."""
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     with pytest.raises(kvo.BackendError, match=r"needs a CUDA GPU.*backend='cpu'"):
         CudaBackend()
@@ -225,7 +226,7 @@ async def test_the_copy_waits_for_the_compute_stream_f17() -> None:
     submitted right after (before the write ran) still reads the written bytes,
     because the side stream waits on the compute stream first."""
     from kvoffload.abc import Transfer
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
     b = CudaBackend()
@@ -235,12 +236,12 @@ async def test_the_copy_waits_for_the_compute_stream_f17() -> None:
         torch.cuda.synchronize()
         torch.cuda._sleep(200_000_000)  # the "model" is busy on the compute stream
         dev.tensor[3].fill_(7.0)  # queued after the sleep on the compute stream
-        t = Transfer(object(), [3], [5], [], 0, 4, 0.0)  # type: ignore[arg-type]
+        t = Transfer(PlainIssuer(), [3], [5], [], 0, 4, 0.0)
         b.submit(t)
         b.launch()  # the driver's next turn
         with anyio.fail_after(60):
             [(done, err)] = await b.wait_completions()
-        assert done is t and err is None
+        assert done == t.id and err is None
         assert torch.all(host.tensor[5] == 7.0)
     finally:
         await b.aclose()
@@ -253,7 +254,7 @@ async def test_the_copy_waits_for_the_engines_own_forward_stream_f26() -> None:
     ``ready`` = that stream (or an event recorded on it) the copy reads the written bytes,
     though the current stream is idle when the copy is launched."""
     from kvoffload.abc import Transfer
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
     b = CudaBackend()
@@ -270,13 +271,13 @@ async def test_the_copy_waits_for_the_engines_own_forward_stream_f26() -> None:
                 if use_event:
                     ready = torch.cuda.Event()
                     ready.record(forward)
-            t = Transfer(object(), [page], [page], [], 0, 4, 0.0)  # type: ignore[arg-type]
+            t = Transfer(PlainIssuer(), [page], [page], [], 0, 4, 0.0)
             t.ready = ready
             b.submit(t)
             b.launch()
             with anyio.fail_after(60):
                 [(done, err)] = await b.wait_completions()
-            assert done is t and err is None
+            assert done == t.id and err is None
             assert torch.all(host.tensor[page] == float(page))
     finally:
         await b.aclose()
@@ -310,7 +311,7 @@ def test_engine_owned_device_kv_is_copied_on_the_gpu() -> None:
 @pytest.mark.asyncio
 async def test_poll_mode_offloads_end_to_end_on_the_gpu() -> None:
     """completion="poll": a manager offloads and releases with the right host bytes."""
-    from kvoffload.backends.cuda import CudaBackend
+    from kvoffload.backends import CudaBackend
 
     config = kvo.OffloadConfig(page_size=4, stride=8, device_pages=32, host_pages=32, dtype="float32")
     async with kvo.OffloadManager(config, backend=CudaBackend(completion="poll")) as mgr:
@@ -351,7 +352,7 @@ async def test_the_waiter_thread_selects_its_gpu_before_it_waits(monkeypatch: py
         got = await inbox.wait()
     stream.close()
     await anyio.to_thread.run_sync(stream.join)
-    assert [t.id for t, _ in got] == [0]
+    assert [tid for tid, _ in got] == [0]
     assert seen and all(d == device for d in seen), seen
 
 
@@ -361,8 +362,8 @@ def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
     ``_make_worker`` reads are set by hand: a stand-in for torch.cuda.Stream)."""
     from types import SimpleNamespace
 
+    from kvoffload.backends._cuda import CudaBackend, _EventPool
     from kvoffload.backends._threaded import ThreadedBackend
-    from kvoffload.backends.cuda import CudaBackend, _EventPool
 
     backend = CudaBackend.__new__(CudaBackend)
     ThreadedBackend.__init__(backend, 1)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from support import PlainIssuer
 
 import kvoffload as kvo
-from kvoffload.backends import resolve_backend
+from kvoffload.backends import CpuBackend, resolve_backend
 from kvoffload.backends._threaded import CompletionInbox, Run, plan_runs
-from kvoffload.backends.cpu import CpuBackend
 
 
 def test_plan_runs_makes_one_block_per_run_of_consecutive_pages() -> None:
@@ -145,7 +145,7 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     """A torch error inside one copy is that transfer's failure; the worker thread
     lives on and copies the next transfer. (Transfers queued together are copied as one
     merged copy; when that fails, each is copied alone to find the one that fails.)"""
-    import kvoffload.backends.cpu as cpu_mod
+    import kvoffload.backends._cpu as cpu_mod
     from kvoffload.abc import Transfer
 
     real = cpu_mod.copy_transfer
@@ -162,7 +162,7 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     dev, host = b.create_pools(config)
     dev.tensor.normal_()
     b.open(dev, host)
-    ts = [Transfer(object(), [p], [p], [], 0, 4, 0.0) for p in range(3)]  # type: ignore[arg-type]
+    ts = [Transfer(PlainIssuer(), [p], [p], [], 0, 4, 0.0) for p in range(3)]
     for t in ts:
         b.submit(t)
     b.launch()  # submit only accepts; the copies start here (F19)
@@ -170,7 +170,8 @@ async def test_an_exception_in_a_cpu_copy_fails_that_transfer_and_the_stream_goe
     with anyio.fail_after(20):
         while len(got) < 3:
             got.extend(await b.wait_completions())
-    assert [(t.device_pages, err) for t, err in got] == [([0], None), ([1], boom), ([2], None)]
+    pages = {t.id: t.device_pages for t in ts}
+    assert [(pages[tid], err) for tid, err in got] == [([0], None), ([1], boom), ([2], None)]
     assert torch.equal(host.tensor[[0, 2]], dev.tensor[[0, 2]])
     await b.aclose()
 
@@ -179,7 +180,7 @@ def test_cpu_stream_copies_queued_transfers_as_one_merged_copy(monkeypatch: pyte
     """Transfers queued together are copied by one merged copy (their runs of
     consecutive pages join into one block); if that copy fails, each is copied alone so
     only the transfer that fails is failed."""
-    import kvoffload.backends.cpu as cpu_mod
+    import kvoffload.backends._cpu as cpu_mod
     from kvoffload.abc import Transfer
     from kvoffload.backends._threaded import CompletionInbox, CopyHooks
 
@@ -198,9 +199,9 @@ def test_cpu_stream_copies_queued_transfers_as_one_merged_copy(monkeypatch: pyte
 
     monkeypatch.setattr(cpu_mod, "copy_transfer", spy)
     stream = cpu_mod._CopyStream("test", CompletionInbox(), dev, host, CopyHooks())
-    ts = [Transfer(object(), [2 * i, 2 * i + 1], [2 * i, 2 * i + 1], [], 0, 8, 0.0) for i in range(3)]  # type: ignore[arg-type]
+    ts = [Transfer(PlainIssuer(), [2 * i, 2 * i + 1], [2 * i, 2 * i + 1], [], 0, 8, 0.0) for i in range(3)]
     done = stream.finish_batch(ts)
-    assert [(t, err) for t, err in done] == [(t, None) for t in ts]
+    assert [(tid, err) for tid, err in done] == [(t.id, None) for t in ts]
     assert calls == [[0, 1, 2, 3, 4, 5]]  # one merged copy
     assert torch.equal(host.tensor[:6], dev.tensor[:6])
 

@@ -509,7 +509,7 @@ def _a_dropped_req_in_a_cycle(engine: Engine, collect_it: bool) -> list[tuple[st
     for i in range(6):
         engine.iteration()
         record(f"step {i}")
-    assert any(t.lifecycle.tag.ref() is a for t in sim.pending), "a's copy is in flight"
+    assert any(t.tag.ref() is a for t in sim.pending), "a's copy is in flight"
     a.cycle = a  # type: ignore[attr-defined]  # only the collector can free it
     kv = a.kv
     engine.running.remove(a)  # the engine forgets it, and keeps its row for now
@@ -593,7 +593,7 @@ def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_ca
     engine.prefill(b)
 
     def ready() -> bool:
-        copying = any(t.lifecycle.tag.ref() is a for t in sim.pending)
+        copying = any(t.tag.ref() is a for t in sim.pending)
         return copying and (path == "admit" or engine.next_step_takes_a_page(b))
 
     for _ in range(40):

@@ -309,7 +309,7 @@ def test_f32_a_request_preempted_without_a_drain_never_fails_another_requests_ca
         running = [a, b]
 
         def ready() -> bool:
-            copying = any(t.lifecycle.tag.ref() is a for t in sim.pending)
+            copying = any(t.tag.ref() is a for t in sim.pending)
             b_grows = b.kv.kv_committed_len % eng.page_size == 0  # b's next slot starts a page
             return copying and (path == "admit" or b_grows)
 

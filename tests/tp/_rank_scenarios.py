@@ -109,7 +109,7 @@ def play(ctx: RankContext, sched: dict[str, Any], variant: str = "agreeing") -> 
         else:
             ops = []
         for t in backend.pending:
-            submitted[t.seq] = t.lifecycle.id
+            submitted[t.seq] = t.lifecycle_id
         pending = list(backend.pending)
         if mine is not None and not draining:
             by_seq = {t.seq: t for t in pending}

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from support import run_cli
 
-from kvoffload.simulate_tp import check_ranks
+from kvoffload.tools.simulate_tp import check_ranks
 
 SMALL = [
     "simulate", "--requests", "30", "--prompt-mean", "40", "--output-mean", "24", "--page-size", "4",

@@ -3,14 +3,14 @@
 :class:`WorkloadSpec` holds every size and rate; :func:`plan` turns it into a list of
 :class:`RequestPlan` (arrival time, prompt and output lengths, whether it reuses the
 id of a request that is still finishing, when it is aborted). The scheduler
-(:mod:`kvoffload.scheduler`) plays the plan against an :class:`~kvoffload.OffloadManager`.
+(:mod:`kvoffload.tools.scheduler`) plays the plan against an :class:`~kvoffload.OffloadManager`.
 
 :class:`FaultyBackend` wraps any event backend and turns a seeded share of its
 completions into copy failures, so failures are injected the same way on the ``sim``
 and ``cpu`` backends. :class:`RunMonitor` is the listener that gathers the figures of
 the summary (latencies, late completions, storage writes) and checks every delivered
 completion against what the simulated engine committed
-(:class:`~kvoffload.delivery_check.EngineRecord`).
+(:class:`~kvoffload.tools.delivery_check.EngineRecord`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from kvoffload.errors import BackendError, ConfigError
 if TYPE_CHECKING:
     from kvoffload.abc import Transfer
     from kvoffload.config import OffloadConfig
-    from kvoffload.delivery_check import EngineRecord
     from kvoffload.pools import DevicePool, EnginePages, HostPool
+    from kvoffload.tools.delivery_check import EngineRecord
 
 __all__ = ["FaultyBackend", "RequestPlan", "RunMonitor", "WorkloadSpec", "percentiles", "plan"]
 
@@ -174,11 +174,11 @@ class FaultyBackend(EventBackend):
 
     def take_completions(self, max_completions: int | None = None) -> list[Completion]:
         out: list[Completion] = []
-        for t, err in self.inner.take_completions(max_completions):
+        for tid, err in self.inner.take_completions(max_completions):
             if err is None and self.rate and self._rng.random() < self.rate:
                 self.injected += 1
-                err = BackendError(f"injected copy failure of transfer {t.id}")
-            out.append((t, err))
+                err = BackendError(f"injected copy failure of transfer {tid}")
+            out.append((tid, err))
         return out
 
     @property
@@ -228,7 +228,7 @@ class RunMonitor:
     against what the simulated engine committed to the lifecycle the completion
     reached (the lifecycle its event names): its keys, and for a copied or discarded
     chunk its host bytes when the engine writes KV
-    (:meth:`~kvoffload.delivery_check.EngineRecord.check`).
+    (:meth:`~kvoffload.tools.delivery_check.EngineRecord.check`).
     ``mismatched`` counts the completions that fail the check: one delivered to a
     lifecycle that did not issue it (F1: its KV names another lifecycle, and its keys
     differ unless both committed the same tokens), keys computed from the wrong chain

@@ -53,7 +53,7 @@ from kvoffload.pools import EnginePages as EnginePagesType
 if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, EnginePages, HostPool
 
-__all__ = ["CudaBackend", "EventStream", "InFlight", "order_after", "poll_completions", "queue_copy"]
+__all__ = ["CudaBackend"]
 
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
@@ -124,7 +124,7 @@ class EventStream(StreamWorker[InFlight]):
         item.keep = ()
         if self._hooks.after is not None:
             self._hooks.after(item.transfer)
-        return (item.transfer, None)
+        return (item.transfer.id, None)
 
     def finish(self, item: InFlight) -> Completion:
         """Block this thread until ``item``'s copy completed (query fast path first)."""
@@ -135,7 +135,7 @@ class EventStream(StreamWorker[InFlight]):
         if error is not None:  # the bytes have landed; report the injected failure
             self._recycle(ev)
             item.keep = ()
-            return (item.transfer, error)
+            return (item.transfer.id, error)
         return self._consumed(item)
 
     def done_nowait(self, item: InFlight) -> Completion | None:

@@ -5,7 +5,7 @@ apart from the core: the tokens it passed to ``admit`` and ``extend``, and the K
 wrote for them. :meth:`EngineRecord.check` says whether a delivered transfer carries
 what a given lifecycle committed - its page keys, recomputed with hashlib only
 (:func:`kvoffload.testing.reference_keys`), and its host bytes. The
-:class:`~kvoffload.workload.RunMonitor` runs it on every completion.
+:class:`~kvoffload.tools.workload.RunMonitor` runs it on every completion.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvoffload.abc import Transfer
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.pools import DevicePool, HostPool
 
 __all__ = ["EngineRecord", "fingerprint"]

@@ -23,7 +23,7 @@ from kvoffload.lifecycle.spec import SPEC, LifecycleSpec, LifecycleState
 from kvoffload.lifecycle.table import build_machine
 
 if TYPE_CHECKING:
-    from kvoffload.lifecycle.core import Lifecycle
+    from kvoffload.core.lifecycle import Lifecycle
 
 __all__ = ["FORMATS", "Highlight", "draw_matplotlib", "dot", "edges", "highlight_of", "mermaid", "render"]
 

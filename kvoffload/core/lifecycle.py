@@ -1,9 +1,12 @@
 """Lifecycle objects: one per admitted request, driven by the compiled table.
 
-A :class:`Lifecycle` is a small ``__slots__`` object. It holds its core and its driver
-(through the :class:`LifecycleHost` protocol declared here, so the arrow still points
-down: the lifecycle never imports a driver); the core holds it only while it is live,
-so once RELEASED and dropped by the caller it is garbage (FAILURES F2).
+A :class:`Lifecycle` is a small ``__slots__`` object: the caller's handle (its public
+reads and events) and the core's record of the request (the core-owned fields, below:
+written only by the core's rooms in this package, read by anyone through the public
+properties). It holds its core and, through the core, its driver (the
+:class:`LifecycleHost` protocol declared here, so the arrow still points down: the
+lifecycle never imports a driver); the core holds it only while it is live, so once
+RELEASED and dropped by the caller it is garbage (FAILURES F2).
 
 Every method checks that it runs on the owner thread (the driver's: the event loop's
 thread, or the thread that opened the sync manager) before it changes anything (F24).
@@ -13,18 +16,25 @@ from __future__ import annotations
 
 from _thread import get_ident
 from array import array
-from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, NewType, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NewType, Protocol
 
 from kvoffload.errors import KVOffloadError, WrongThread
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
 
-if TYPE_CHECKING:
-    from kvoffload.core.offload import OffloadCore
-
-__all__ = ["EXTEND_SELF_LOOP", "STATES", "Lifecycle", "LifecycleHost", "LifecycleId", "Waker", "wrong_thread"]
+__all__ = [
+    "EXTEND_SELF_LOOP",
+    "STATES",
+    "Lifecycle",
+    "LifecycleCore",
+    "LifecycleHost",
+    "LifecycleId",
+    "Waker",
+    "requiet",
+    "wrong_thread",
+]
 
 LifecycleId = NewType("LifecycleId", int)
 
@@ -58,6 +68,43 @@ class LifecycleHost(Protocol):
     def abort_lifecycle(self, lc: Lifecycle) -> None: ...
 
     def wait_lifecycle(self, lc: Lifecycle, released: bool) -> Awaitable[None]: ...
+
+
+class LifecycleCore(Protocol):
+    """What a lifecycle asks of its core (:class:`~kvoffload.core.offload.OffloadCore`):
+    the decode step's entry points (its fast paths call them), the driver, whether the
+    core closed, and the batch rows whose tokens ``committed`` counts."""
+
+    @property
+    def host(self) -> LifecycleHost: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    @property
+    def rows_step(self) -> int: ...
+
+    def extend(
+        self, lc: Lifecycle, tokens: Sequence[int], *, pages: Any = None, ready: Any = None
+    ) -> None: ...
+
+    def extend_due(self, lc: Lifecycle, t: int) -> bool: ...
+
+    def grow_one(self, lc: Lifecycle) -> bool: ...
+
+    def grow(self, lc: Lifecycle, committed: int) -> bool: ...
+
+
+def requiet(lc: Lifecycle, observed: bool) -> None:
+    """Recompute ``lc._quiet``, the fast path's one comparison (see the record below).
+    No fast path while someone observes events (``observed``): the full path emits them."""
+    quiet = (
+        EXTEND_SELF_LOOP[lc._s]
+        and lc._tail.typecode == TOKEN_TYPECODE
+        and not observed
+        and lc._row < 0  # a row's tokens are not in the tail yet: no fast path
+    )
+    lc._quiet = lc.due - 1 if quiet else -1
 
 
 def wrong_thread(owner: int, what: str) -> WrongThread:
@@ -123,27 +170,38 @@ class Lifecycle:
         "tag",
     )
 
+    # The handle (set at admit, never changed):
     # id: unique for the core's life; never reused (request ids may be).
     # rid: the caller's request id; a label for logs and metrics only.
     # tag: the engine's handle (e.g. its Req); carried, never read by kvoffload.
-    # _s: index of the current state in STATES; changed only by OffloadCore._fire.
+    # _core: the core (facade) that admitted it; _owner: the owner thread's ident, which
+    #   every method checks first (F24).
+    #
+    # The core's record of the request: written only by the core's rooms (the modules
+    # of kvoffload.core, each field by the room named), read by anyone through the
+    # public properties. Outside kvoffload.core nothing writes them.
+    #
+    # Registry (core/registry.py) - its state and how it ended:
+    # _s: index of the current state in STATES; changed only by Registry.fire.
+    # state_since: clock time it entered its state.
+    # outcome: None until RELEASED, then how it ended.
+    # _aborted: abort() was called (the facade sets it); _failed: a copy failed or a
+    #   finishing lifecycle's tail was refused (the chunks set it).
+    # pages_lost: whole pages this request should have offloaded and did not (F33, F9):
+    #   0 while live; set at RELEASED (never for an aborted one), raised later by a
+    #   storage write of it that fails after its release (Writes.hole).
+    # Invariant: self.pages_lost >= 0 and (self.pages_lost == 0 or self._s == RELEASED)
+    #
+    # DecodeStep (core/step.py, core/rows.py, and the fast paths of extend below) - what
+    # is committed:
     # committed (a property): tokens whose KV is in device pages (prompt + extends):
     #   _committed, plus the tokens its extend_batch row holds that the tail does not yet.
-    # _row: its row in the core's DecodeRows (kvoffload.core.rows), -1 when it holds none;
-    #   _from: the rows' step since which the row holds its tokens.
-    # submitted: tokens covered by submitted chunks, or already stored; page-aligned.
-    # Invariant: 0 <= self.submitted <= self.committed and self.submitted % page_size == 0
-    # _tail: token ids committed[submitted:], kept to compute keys at submit time (F11).
+    # _row: its row in the step's DecodeRows, -1 when it holds none; _from: the rows'
+    #   step since which the row holds its tokens.
+    # _tail: token ids committed[submitted:], kept to compute keys at submit time (F11);
+    #   the chunks take a sent chunk's tokens off its front.
     # Invariant: len(self._tail) + (rows' step - self._from if self._row >= 0 else 0)
     #   == self.committed - self.submitted
-    # _chain: SHA-256 digest of the page that ends at `submitted` (the chain seed's bytes
-    #   before the first page; b"" at the root). Its hex is `chain_key`.
-    # due: `committed` at which the next chunk is due (a stride past the last attempt).
-    # _quiet: the largest `committed` an extend may reach on the fast path: due - 1 while
-    #   extend is a self-loop of the state (PENDING, OFFLOADING), the tail is narrow and no
-    #   one observes events (the full path emits them), else -1.
-    # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail
-    #   and not core.observed else -1)
     # device_pages: the device pages holding this request's KV, in token order; at
     #   RELEASED still the pages it held while on_released(lc) runs (the engine frees
     #   them from there), then [] once the call that released it told the engine.
@@ -151,30 +209,41 @@ class Lifecycle:
     # Invariant: self._cap == len(self.device_pages) * page_size
     # Invariant: len(self.device_pages) == ceil(self.committed / page_size) while live; [] once
     #   RELEASED and the driver's on_released calls for it returned
+    # _quiet: the largest `committed` an extend may reach on the fast path: due - 1 while
+    #   extend is a self-loop of the state (PENDING, OFFLOADING), the tail is narrow, it
+    #   holds no row and no one observes events (the full path emits them), else -1.
+    #   Recomputed by requiet() wherever one of those changes.
+    # Invariant: self._quiet == (self.due - 1 if self._s in (0, 1) and narrow tail
+    #   and self._row < 0 and not core.observed else -1)
+    #
+    # Chunks (core/chunks.py) - what is sent:
+    # submitted: tokens covered by submitted chunks, or already stored; page-aligned.
+    # Invariant: 0 <= self.submitted <= self.committed and self.submitted % page_size == 0
+    # _chain: SHA-256 digest of the page that ends at `submitted` (the chain seed's bytes
+    #   before the first page; b"" at the root). Its hex is `chain_key`.
+    # due: `committed` at which the next chunk is due (a stride past the last attempt).
     # inflight: chunks submitted and not yet delivered.
     # Invariant: self.inflight >= 0 and (self.inflight == 0 or state in (OFFLOADING, FINISHING))
     # _deferred_since: clock time a chunk started waiting for host pages, else None.
-    # _deferred_poll: the core's poll count when that wait began (read only while
+    # _deferred_poll: the poll count when that wait began (read only while
     #   _deferred_since is not None: the wait's bound in polls, host_wait_polls).
-    # outcome: None until RELEASED, then how it ended.
-    # pages_lost: whole pages this request should have offloaded and did not (F33, F9):
-    #   0 while live; set at RELEASED (never for an aborted one), raised later by a
-    #   storage write of it that fails after its release. Core-owned, read by anyone.
-    # Invariant: self.pages_lost >= 0 and (self.pages_lost == 0 or self._s == RELEASED)
     # _stop: the token at which offload stopped - a chunk from there failed, or its store
-    #   write did (F33) - else -1. No chunk is submitted once it is set (due is _NEVER).
-    #   At RELEASED (not aborted): where the stored chain ends.
+    #   write did (F33) - else -1. No chunk is submitted once it is set (due is NEVER).
+    #   At RELEASED (not aborted): where the stored chain ends (the registry sets it).
     # Invariant: self._stop == -1 or self._s == RELEASED or (self._stop <= self.submitted
     #   and self._deferred_since is None)
+    #
+    # Writes (core/writes.py) - what is stored:
     # _front: with storage, the first token of its oldest chunk whose copy has not been
     #   delivered (== submitted when none); a chunk is queued for its write only from
     #   there, so its writes go to the store in chain order whatever order copies end in.
     # _wchain: what its write jobs share (the core's WriteChain), None before the first.
-    # _owner: the owner thread's ident; every method checks it first (F24).
-    # _released_ev / _quiet_ev: a driver's Waker, set by the core when the lifecycle is
-    #   RELEASED / quiescent; None when nobody waits.
+    #
+    # This class's own: _released_ev / _quiet_ev, a driver's Waker (waker()), set when
+    # the lifecycle is RELEASED / quiescent, None when nobody waits. _log: its bound
+    # logger, made by the core's events on the first debug event.
 
-    def __init__(self, core: OffloadCore, lid: LifecycleId, rid: Any, now: float, owner: int) -> None:
+    def __init__(self, core: LifecycleCore, lid: LifecycleId, rid: Any, now: float, owner: int) -> None:
         self._core = core
         self._owner = owner
         self.id = lid
@@ -213,9 +282,7 @@ class Lifecycle:
         """Tokens whose KV is in device pages: the prompt and every extend."""
         if self._row < 0:
             return self._committed
-        rows = self._core.rows
-        assert rows is not None
-        return self._committed + rows.step - self._from
+        return self._committed + self._core.rows_step - self._from
 
     @property
     def state(self) -> LifecycleState:
@@ -379,6 +446,33 @@ class Lifecycle:
             if not self._aborted:
                 self.abort()
             await self.wait_released()
+
+    def waker(self, released: bool, make: Callable[[], Waker]) -> Waker:
+        """The waker a driver waits on until this lifecycle is RELEASED (``released``) or
+        quiescent: the one already set, else a new one from ``make()``. One per kind,
+        shared by every waiter; the core sets it once, then forgets it."""
+        ev = self._released_ev if released else self._quiet_ev
+        if ev is None:
+            ev = make()
+            if released:
+                self._released_ev = ev
+            else:
+                self._quiet_ev = ev
+        return ev
+
+    def _wake_released(self) -> None:
+        """RELEASED: set the waker of whoever waits for it."""
+        ev = self._released_ev
+        if ev is not None:
+            self._released_ev = None
+            ev.set()
+
+    def _wake_quiet(self) -> None:
+        """Set the waker of whoever waits for quiescence, if it is quiescent now."""
+        ev = self._quiet_ev
+        if ev is not None and self.inflight == 0 and self._deferred_since is None:
+            self._quiet_ev = None
+            ev.set()
 
     def wake(self) -> None:
         """Set every waiter's waker (the manager closed): each looks again and raises or

@@ -17,10 +17,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.config import OffloadConfig
-from kvoffload.lifecycle.core import Lifecycle
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.scheduler import DecodeScheduler, SchedulerResult
-from kvoffload.workload import RequestPlan, WorkloadSpec
+from kvoffload.tools.scheduler import DecodeScheduler, SchedulerResult
+from kvoffload.tools.workload import RequestPlan, WorkloadSpec
 
 if TYPE_CHECKING:
     from kvoffload.drivers.sync import SyncOffloadManager
@@ -32,7 +32,7 @@ _CHECK_EVERY = 50
 
 
 class StepScheduler(DecodeScheduler):
-    """:class:`~kvoffload.scheduler.DecodeScheduler`'s decode loop on a synchronous
+    """:class:`~kvoffload.tools.scheduler.DecodeScheduler`'s decode loop on a synchronous
     manager, stepped: arrivals come by step number (the plan's arrival time over
     ``step_ms``), never by a rank's wall clock, so replicated ranks make the same
     decisions. Each step polls once (a collective under a group), then decodes, admits
@@ -71,7 +71,7 @@ class StepScheduler(DecodeScheduler):
     def run_steps(self) -> SchedulerResult:
         """Run every request to RELEASED; return what the loop saw. If the loop fails,
         this rank's copy engine finishes every copy first, so the manager can drain."""
-        from kvoffload.backends.sim import SimBackend
+        from kvoffload.backends._sim import SimBackend
 
         mgr = self.sync_mgr
         backend = getattr(mgr.backend, "inner", mgr.backend)
@@ -124,7 +124,7 @@ def run_rank(
     log_level: str | None = None,
 ) -> dict[str, Any]:
     """One rank's run (in its process): the summary dict of
-    :func:`~kvoffload.simulate.build_report` plus ``tp``: this rank's release sequence.
+    :func:`~kvoffload.tools.simulate.build_report` plus ``tp``: this rank's release sequence.
     ``storage`` is what ``resolve_storage`` takes (a directory shared by the ranks).
     ``log_level``: where this rank's process sends kvoffload's events, as the command
     line does for its own (the rank's process is the application here)."""
@@ -139,8 +139,8 @@ def run_rank(
         )
     from kvoffload.backends import resolve_backend
     from kvoffload.drivers.sync import SyncOffloadManager
-    from kvoffload.simulate import build_report, describe_error, verdict
-    from kvoffload.workload import FaultyBackend, RunMonitor, plan
+    from kvoffload.tools.simulate import build_report, describe_error, verdict
+    from kvoffload.tools.workload import FaultyBackend, RunMonitor, plan
 
     faulty = FaultyBackend(resolve_backend(backend), spec.fail, spec.seed * 7919 + ctx.rank)
     monitor = RunMonitor()
@@ -214,8 +214,8 @@ def simulate_tp(
     ``timeout_s`` bounds the whole run. Raises
     :class:`~kvoffload._testing.ranks.RanksFailed` when a rank crashed."""
     from kvoffload._testing.ranks import LocalRanks
-    from kvoffload.simulate import check_workload
     from kvoffload.storage._url import redact
+    from kvoffload.tools.simulate import check_workload
 
     check_workload(spec, config)
     with LocalRanks(tp, timeout_s=timeout_s) as ranks:

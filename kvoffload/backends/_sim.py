@@ -65,12 +65,12 @@ class SimBackend(BackendBase):
         self._take(transfer)
         assert self._device is not None and self._host is not None
         copy_pages(self._pairs, transfer.device_pages, transfer.host_pages)
-        self._signal((transfer, None))
+        self._signal((transfer.id, None))
 
     def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:
         """Signal that ``transfer``'s copy failed (nothing is copied)."""
         self._take(transfer)
-        self._signal((transfer, error if error is not None else BackendError("simulated copy failure")))
+        self._signal((transfer.id, error if error is not None else BackendError("simulated copy failure")))
 
     def complete_all(self) -> None:
         """Complete every pending transfer, in submission order."""

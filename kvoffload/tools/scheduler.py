@@ -25,7 +25,7 @@ the seed: the same requests reuse the same finishing ids, the same completions a
 late while their id is reused, in the same delivery batches. Everything else — which
 lifecycle a completion reaches, when pages return — is the library's job.
 
-Given an :class:`~kvoffload.delivery_check.EngineRecord` (``engine=``), the loop also tells
+Given an :class:`~kvoffload.tools.delivery_check.EngineRecord` (``engine=``), the loop also tells
 it every token it committed and writes their KV into the device pool before it yields,
 as a model's forward pass would (``kvoffload simulate`` checks each completion
 against it).
@@ -41,13 +41,13 @@ from typing import Any
 
 import anyio
 
-from kvoffload.delivery_check import EngineRecord
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers._base import DriverBase
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.errors import PoolExhausted
-from kvoffload.lifecycle.core import Lifecycle
 from kvoffload.lifecycle.spec import LifecycleState
-from kvoffload.workload import RequestPlan, WorkloadSpec
+from kvoffload.tools.delivery_check import EngineRecord
+from kvoffload.tools.workload import RequestPlan, WorkloadSpec
 
 __all__ = ["DecodeScheduler", "SchedulerResult"]
 
@@ -82,7 +82,7 @@ class _Running:
 class DecodeScheduler:
     """Play ``requests`` against ``mgr``: admit, extend per step, finish, abort, wait.
     ``run()`` drives an :class:`~kvoffload.OffloadManager` on the plan's clock (the
-    step count, see the module doc); :mod:`kvoffload.simulate_tp` steps the same
+    step count, see the module doc); :mod:`kvoffload.tools.simulate_tp` steps the same
     decisions on a synchronous manager.
 
     ``on_release(n)`` is called each time ``n`` more requests were released (progress).
@@ -122,7 +122,7 @@ class DecodeScheduler:
 
     async def run(self) -> SchedulerResult:
         """Run every request to RELEASED; return what the loop saw."""
-        from kvoffload.backends.sim import SimBackend
+        from kvoffload.backends._sim import SimBackend
 
         backend = getattr(self.mgr.backend, "inner", self.mgr.backend)
         self._sim = backend if isinstance(backend, SimBackend) else None

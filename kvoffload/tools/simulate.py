@@ -1,8 +1,8 @@
 """The body of ``kvoffload simulate``: run a workload, gather the figures, print them.
 
 :func:`run_simulation` opens an :class:`~kvoffload.OffloadManager`, attaches the
-:class:`~kvoffload.workload.RunMonitor` (and a :class:`~kvoffload.trace.TraceRecorder`
-when a timeline is asked for), drives the :class:`~kvoffload.scheduler.DecodeScheduler`
+:class:`~kvoffload.tools.workload.RunMonitor` (and a :class:`~kvoffload.tools.trace.TraceRecorder`
+when a timeline is asked for), drives the :class:`~kvoffload.tools.scheduler.DecodeScheduler`
 and returns a plain dict (the ``--json`` output). :func:`print_summary` prints it as
 rich tables. Both are usable from a notebook.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from kvoffload.abc import Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.pools import DevicePool
-from kvoffload.workload import WorkloadSpec
+from kvoffload.tools.workload import WorkloadSpec
 
 __all__ = [
     "build_report",
@@ -63,7 +63,7 @@ def check_workload(spec: WorkloadSpec, config: OffloadConfig) -> None:
     would be enough). A request that outgrows the pool while decoding is preempted,
     not stuck, and is fine."""
     from kvoffload.errors import ConfigError
-    from kvoffload.workload import plan
+    from kvoffload.tools.workload import plan
 
     ps = config.page_size
     worst = max(plan(spec), key=lambda p: p.prompt_len, default=None)
@@ -117,17 +117,17 @@ async def simulate(
 ) -> dict[str, Any]:
     """Run ``spec`` on a fresh manager; return the summary dict (see the module doc).
 
-    ``trace`` is a :class:`~kvoffload.trace.TraceRecorder` to attach, or a path to
+    ``trace`` is a :class:`~kvoffload.tools.trace.TraceRecorder` to attach, or a path to
     write one to. Never raises for a broken invariant: ``report["ledger"]["ok"]`` is
     False and ``report["ledger"]["error"]`` says why.
     """
     from kvoffload.backends import resolve_backend
-    from kvoffload.delivery_check import EngineRecord
     from kvoffload.drivers.asyncio import OffloadManager
     from kvoffload.keys import namespace_seed
-    from kvoffload.scheduler import DecodeScheduler, SchedulerResult
-    from kvoffload.trace import TraceRecorder
-    from kvoffload.workload import FaultyBackend, RunMonitor, plan
+    from kvoffload.tools.delivery_check import EngineRecord
+    from kvoffload.tools.scheduler import DecodeScheduler, SchedulerResult
+    from kvoffload.tools.trace import TraceRecorder
+    from kvoffload.tools.workload import FaultyBackend, RunMonitor, plan
 
     check_workload(spec, config)
     requests = plan(spec)
@@ -187,7 +187,7 @@ def verdict(mgr: Any, monitor: Any, error: str | None) -> str | None:
     """What went wrong in a finished run of ``mgr`` (either driver), or ``None``: the
     run's own ``error`` first, else a ledger that does not balance, a completion that
     reached a lifecycle that did not submit it (``monitor``, a
-    :class:`~kvoffload.workload.RunMonitor`), or lifecycles and pages still held."""
+    :class:`~kvoffload.tools.workload.RunMonitor`), or lifecycles and pages still held."""
     from kvoffload.errors import KVOffloadError
 
     if error is not None:
@@ -280,7 +280,7 @@ def build_report(
     """The summary dict of one run (what ``--json`` writes): from the run's
     configuration, the scheduler's result, the monitor, the final statistics, the error
     (None: the ledger balanced) and the (faulty) backend."""
-    from kvoffload.workload import percentiles
+    from kvoffload.tools.workload import percentiles
 
     wall = max(r.wall_s, 1e-9)
     ms = {k: round(v * 1e3, 3) for k, v in percentiles(m.transfer_latency_s).items()}

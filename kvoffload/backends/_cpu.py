@@ -77,21 +77,21 @@ class _CopyStream(StreamWorker[Transfer]):
             copy_transfer(self._pairs, merged)
         except Exception:  # find the transfer that fails: copy them one by one
             return super().finish_batch(items)
-        return [(t, None) for t in items]
+        return [(t.id, None) for t in items]
 
     def finish(self, item: Transfer) -> Completion:
         hooks = self._hooks
         if hooks.before is not None:
             error = hooks.before(item)
             if error is not None:
-                return (item, error)
+                return (item.id, error)
         try:
             copy_transfer(self._pairs, item)
         except Exception as e:  # this transfer fails; the stream goes on
-            return (item, e)
+            return (item.id, e)
         if hooks.after is not None:
             hooks.after(item)
-        return (item, None)
+        return (item.id, None)
 
 
 class CpuBackend(ThreadedBackend[Transfer]):

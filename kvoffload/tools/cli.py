@@ -1,7 +1,7 @@
 """``kvoffload simulate`` and ``kvoffload graph``.
 
-``simulate`` plays a seeded synthetic decode workload (:mod:`kvoffload.workload`)
-through the scheduler loop (:mod:`kvoffload.scheduler`) on the embedded defaults —
+``simulate`` plays a seeded synthetic decode workload (:mod:`kvoffload.tools.workload`)
+through the scheduler loop (:mod:`kvoffload.tools.scheduler`) on the embedded defaults —
 the ``cpu`` backend and the file store in a temporary directory when they are
 available, else the ``sim`` backend (the loop completes copies) and the memory
 store — shows a progress bar, prints a summary and exits non-zero if the ledger
@@ -102,8 +102,8 @@ def _duration(maximum: float) -> Callable[[str], Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from kvoffload.graph import FORMATS
-    from kvoffload.workload import WorkloadSpec
+    from kvoffload.tools.graph import FORMATS
+    from kvoffload.tools.workload import WorkloadSpec
 
     d = WorkloadSpec()
     p = argparse.ArgumentParser(prog="kvoffload", description="KV-offload lifecycles: simulate, draw.")
@@ -216,7 +216,7 @@ def _fail(code: int, message: str) -> int:
 
 def _graph(args: argparse.Namespace) -> int:
     from kvoffload.errors import MissingDependency
-    from kvoffload.graph import render
+    from kvoffload.tools.graph import render
 
     if args.output is not None and not args.output.parent.is_dir():
         return _fail(EXIT_USAGE, f"--output: directory {args.output.parent} does not exist")
@@ -242,8 +242,8 @@ def _graph(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     import kvoffload as kvo
     from kvoffload.errors import MissingDependency
-    from kvoffload.simulate import check_workload, choose_backend, choose_store, require_rich
-    from kvoffload.workload import WorkloadSpec
+    from kvoffload.tools.simulate import check_workload, choose_backend, choose_store, require_rich
+    from kvoffload.tools.workload import WorkloadSpec
 
     try:
         require_rich()
@@ -291,14 +291,14 @@ def _simulate(args: argparse.Namespace) -> int:
             return _fail(EXIT_USAGE, str(exc))
         if args.tp > 1:
             return _simulate_tp(args, spec, config, backend, storage, store_desc)
-        from kvoffload.simulate import simulate
+        from kvoffload.tools.simulate import simulate
 
         report = _run_until_stopped(
             lambda: simulate(
                 spec, config, backend, storage, store_desc, progress=not args.no_progress, trace=args.trace
             )
         )
-    from kvoffload.simulate import print_summary
+    from kvoffload.tools.simulate import print_summary
 
     print_summary(report)
     if args.json is not None:
@@ -314,8 +314,8 @@ def _simulate_tp(
     """``simulate --tp N``: the ranks open the store themselves (a directory or a URL is
     shared by them; "memory" is one per rank), so they get its name, not the instance."""
     from kvoffload._testing.ranks import RanksFailed
-    from kvoffload.simulate import print_summary
-    from kvoffload.simulate_tp import simulate_tp
+    from kvoffload.tools.simulate import print_summary
+    from kvoffload.tools.simulate_tp import simulate_tp
 
     root = getattr(storage, "root", None)
     where = None if storage is None else str(root) if root is not None else args.store
