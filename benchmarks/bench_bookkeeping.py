@@ -114,7 +114,7 @@ class Kvo:
         self.backend = NoCopySim()
         self.mgr = kvo.SyncOffloadManager(cfg(n + spare, prompt), backend=self.backend).open()
         if rows_min is not None:
-            self.mgr.core.rows_min = rows_min
+            self.mgr.core.step.rows_min = rows_min
         self.all = [self.mgr.admit(f"r{i}", list(range(prompt))) for i in range(n + spare)]
         self.lcs = self.all[:n]
         self.t = 0

@@ -55,7 +55,7 @@ class Side:
             host = HostPool.new(config.host_pages, (config.page_size, *config.kv_shape), config.dtype)
         self.core = OffloadCore(config, device_pool=device, host_pool=host, accept=self.accept)
         if rows_min is not None:
-            self.core.rows_min = rows_min
+            self.core.step.rows_min = rows_min
         self.lcs: list[kvo.Lifecycle] = []
         self.free = list(range(PAGES - 1, -1, -1))
         self.given: dict[int, list[int]] = {}

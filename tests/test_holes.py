@@ -278,7 +278,7 @@ async def test_after_a_deferred_chunk_expires_the_next_chunk_starts_at_the_first
     config = _config(host_pages=1, on_host_full=policy, host_wait_s=1.0, stuck_after_s=None)
     async with manager_in_task(config, backend=backend, clock=clock) as mgr:
         if batched:
-            mgr.core.rows_min = 1  # extend_batch keeps its rows from one lifecycle up
+            mgr.core.step.rows_min = 1  # extend_batch keeps its rows from one lifecycle up
         hog = mgr.admit("hog", [0, 1, 2, 3])
         hog.extend([4, 5, 6, 7, 8])  # holds the only host page
         lc = mgr.admit("r", [0, 1, 2, 3])

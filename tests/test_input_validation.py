@@ -50,7 +50,7 @@ def make_core(
     jobs: list[Transfer] = []
     core = OffloadCore(config, device_pool=device, host_pool=hostpool, accept=jobs.append)
     if rows_min is not None:
-        core.rows_min = rows_min
+        core.step.rows_min = rows_min
     return core, jobs
 
 

@@ -62,7 +62,6 @@ class Chunks:
         writes: Writes,
         wait: HostWait,
         events: Events,
-        clock: Callable[[], float],
         accept: Callable[[Transfer], None],
         streams: int,
         page_bytes: int,
@@ -77,7 +76,6 @@ class Chunks:
         # held by write jobs until it has them).
         self.storage = storage
         self.events = events
-        self.clock = clock
         self.accept = accept
         self.streams = streams
         self.page_bytes = page_bytes
@@ -132,7 +130,7 @@ class Chunks:
             return False
         digests = page_run_digests(lc._chain, lc._tail[:n], self._ps)
         try:
-            self.send(lc, n, host, digests, ready, self.clock() if now is None else now, True)
+            self.send(lc, n, host, digests, ready, self.events.clock() if now is None else now, True)
         except BaseException:
             self.host_pool.free(host)
             raise
@@ -492,6 +490,6 @@ class Chunks:
     ) -> None:
         """A warning about ``lc`` that comes in bursts: one line per ``limit`` interval,
         saying (as ``held_as``) how many there were since the last."""
-        held = limit.due(self.clock() if now is None else now)
+        held = limit.due(self.events.clock() if now is None else now)
         if held:
             logger.warning(event, rid=lc.rid, lifecycle=lc.id, **fields, **{held_as: held})

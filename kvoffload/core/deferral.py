@@ -62,7 +62,6 @@ class HostWait:
         host_pool: HostPool,
         registry: Registry,
         events: Events,
-        clock: Callable[[], float],
         page_bytes: int,
     ) -> None:
         self.config = config
@@ -70,7 +69,6 @@ class HostWait:
         self.host_pool = host_pool
         self.registry = registry
         self.events = events
-        self.clock = clock
         self.page_bytes = page_bytes
         # queue: lifecycles whose next chunk waits for host pages, FIFO.
         # Invariant: all(lc._deferred_since is not None for lc in self.queue)
@@ -82,7 +80,7 @@ class HostWait:
     def defer(self, lc: Lifecycle, npages: int) -> None:
         """``lc``'s chunk of ``npages`` found the host pool full: it waits (once)."""
         if lc._deferred_since is None:
-            lc._deferred_since = self.clock()
+            lc._deferred_since = self.events.clock()
             lc._deferred_poll = self.polls
             self.queue.append(lc)
             self.counters.chunks_deferred += 1
@@ -102,7 +100,7 @@ class HostWait:
         q = self.queue
         cfg = self.config
         ps = cfg.page_size
-        now = self.clock()
+        now = self.events.clock()
         fire = self.registry.fire
         chunks = self.chunks
         while q:

@@ -224,9 +224,11 @@ def refresh_debug() -> bool:
 
 
 class Events:
-    """One core's way out: its listeners, whether anyone observes (the hot paths' one
-    read), and the rate limits of its ``listener.failed`` lines. The core's rooms emit
-    through it; the facade (``OffloadCore.refresh_observed``) keeps :attr:`observed`."""
+    """One core's way out, and its clock: its listeners, whether anyone observes (the
+    hot paths' one read), the rate limits of its ``listener.failed`` lines, and the
+    clock every room of the core reads (one owner: a virtual clock replaces it here).
+    The core's rooms emit through it; the facade (``OffloadCore.refresh_observed``)
+    keeps :attr:`observed`."""
 
     __slots__ = ("clock", "failures", "listeners", "observed")
 

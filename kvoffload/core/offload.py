@@ -126,12 +126,10 @@ class OffloadCore:
         counters = Counters()
         self.events = events = Events(clock)
         self.registry = registry = Registry(
-            config, counters, device_pool, events, clock, get_ident(), _DirectHost(self)
+            config, counters, device_pool, events, get_ident(), _DirectHost(self)
         )
-        self.write_behind = Writes(
-            config, counters, host_pool, events, clock, page_bytes, store_log_interval_s
-        )
-        self.wait = wait = HostWait(config, counters, host_pool, registry, events, clock, page_bytes)
+        self.write_behind = Writes(config, counters, host_pool, events, page_bytes, store_log_interval_s)
+        self.wait = wait = HostWait(config, counters, host_pool, registry, events, page_bytes)
         self.chunks = chunks = Chunks(
             config,
             counters,
@@ -140,7 +138,6 @@ class OffloadCore:
             self.write_behind,
             wait,
             events,
-            clock,
             accept,
             streams,
             page_bytes,
@@ -151,7 +148,6 @@ class OffloadCore:
         registry.detach_row = step.detach
         wait.chunks = chunks
         wait.sync_row = step.sync
-        self._rooms: tuple[Any, ...] = (events, registry, self.write_behind, wait, chunks)
         # For readers (drivers, the ledger's callers, tests): the rooms' containers, never
         # rebound by their owners; read them, change them only through the core's calls.
         self.live = registry.live
@@ -160,6 +156,7 @@ class OffloadCore:
         self.deferred = wait.queue
         self.writes = self.write_behind.jobs  # write jobs out (or about to be), not finished
         self.listeners = events.listeners
+        self.counters = counters  # (read them through statistics())
         # The decode step's entry points, bound once (see the class doc).
         self.extend = step.extend
         self.extend_due = step.extend_due
@@ -167,27 +164,12 @@ class OffloadCore:
         self.grow_one = step.grow_one
         self.grow = step.grow
 
-    # --- slots the driver (and tests) set ----------------------------------------------
+    # --- slots the driver sets ----------------------------------------------
 
     @property
     def clock(self) -> Callable[[], float]:
-        """The core's clock (every room reads the same one)."""
-        return self.registry.clock
-
-    @clock.setter
-    def clock(self, clock: Callable[[], float]) -> None:
-        for room in self._rooms:
-            room.clock = clock
-
-    @property
-    def counters(self) -> Counters:
-        """The live counters (read them through :meth:`statistics`)."""
-        return self.registry.counters
-
-    @counters.setter
-    def counters(self, counters: Counters) -> None:
-        for room in self._rooms[1:]:
-            room.counters = counters
+        """The core's clock: the events room's, which every room reads."""
+        return self.events.clock
 
     @property
     def accept(self) -> Callable[[Transfer], None]:
@@ -224,15 +206,6 @@ class OffloadCore:
     @polls.setter
     def polls(self, polls: int) -> None:
         self.wait.polls = polls
-
-    @property
-    def rows_min(self) -> int:
-        """The smallest batch extend_batch keeps array state for."""
-        return self.step.rows_min
-
-    @rows_min.setter
-    def rows_min(self, n: int) -> None:
-        self.step.rows_min = n
 
     # --- reading the rooms --------------------------------------------------------------
 
@@ -395,7 +368,7 @@ class OffloadCore:
         and those after it are not applied (still in flight: deliver them again; the
         drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
-        self.chunks.complete(batch, self.registry.clock() if now is None else now)
+        self.chunks.complete(batch, self.events.clock() if now is None else now)
         return self.registry.take_released()
 
     def take_writes(self) -> list[WriteJob]:

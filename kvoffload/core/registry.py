@@ -44,7 +44,6 @@ class Registry:
         counters: Counters,
         device_pool: DevicePool | EnginePages,
         events: Events,
-        clock: Callable[[], float],
         owner: int,
         host: LifecycleHost,
     ) -> None:
@@ -52,7 +51,6 @@ class Registry:
         self.counters = counters
         self.device_pool = device_pool
         self.events = events
-        self.clock = clock
         # owner: the thread every lifecycle checks its calls against (the driver sets it).
         self.owner = owner
         # host: the driver lifecycles call back into (the driver sets it).
@@ -74,7 +72,7 @@ class Registry:
 
     def new(self, core: Any, rid: Any, tag: Any) -> Lifecycle:
         """A new lifecycle in PENDING, not yet registered (:meth:`add` registers it)."""
-        lc = Lifecycle(core, LifecycleId(self.next_id), rid, self.clock(), self.owner)
+        lc = Lifecycle(core, LifecycleId(self.next_id), rid, self.events.clock(), self.owner)
         lc.tag = tag
         return lc
 
@@ -124,7 +122,7 @@ class Registry:
             counts = self.state_counts
             counts[s] -= 1
             lc._s = dest
-            lc.state_since = self.clock() if now is None else now
+            lc.state_since = self.events.clock() if now is None else now
             if not EXTEND_SELF_LOOP[dest]:
                 if lc._row >= 0:  # extend is no longer its plain step
                     self.detach_row(lc)

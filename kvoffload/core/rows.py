@@ -219,7 +219,7 @@ class DecodeRows:
         if due:
             progress = [0]
             try:
-                self.chunks.submit_run(due, ready, self.chunks.clock(), progress)
+                self.chunks.submit_run(due, ready, self.events.clock(), progress)
             except BaseException:
                 self._undo_step(lcs, at[due[progress[0]]._row], paged, new_pages)
                 raise

@@ -39,7 +39,7 @@ class Watchdog:
         limit = self.registry.config.stuck_after_s
         if limit is None:
             return []
-        now = self.registry.clock()
+        now = self.registry.events.clock()
         oldest: dict[LifecycleId, Transfer] = {}
         for t in self.chunks.inflight.values():
             if now - t.submitted_at > limit:
@@ -53,7 +53,7 @@ class Watchdog:
         """Log and count every newly stuck copy (each transfer is reported once)."""
         reported = self.reported
         registry = self.registry
-        clock = registry.clock
+        clock = registry.events.clock
         for lid, t, age in self.stuck():
             if t.id in reported:
                 continue

@@ -10,7 +10,6 @@ stops its offload there (live) or counts the pages after it lost (released).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Transfer, WriteChain, WriteJob
@@ -70,7 +69,6 @@ class Writes:
         counters: Counters,
         host_pool: HostPool,
         events: Events,
-        clock: Callable[[], float],
         page_bytes: int,
         log_interval_s: float,
     ) -> None:
@@ -78,7 +76,6 @@ class Writes:
         self.counters = counters
         self.host_pool = host_pool
         self.events = events
-        self.clock = clock
         self.page_bytes = page_bytes
         self.log_interval_s = log_interval_s
         # jobs: copied chunks handed to the writer (or about to be: out) whose storage
@@ -206,7 +203,7 @@ class Writes:
     def _store_failed(self, job: WriteJob, attempts: int, error: BaseException | None) -> None:
         burst = self.burst
         n = len(job.host_pages)
-        now = self.clock()
+        now = self.events.clock()
         if burst.since is None:
             burst.since = now
             burst.last_log = now
@@ -232,7 +229,7 @@ class Writes:
         fields = {
             "chunks_failed": burst.chunks,
             "pages_failed": burst.pages,
-            "burst_s": self.clock() - burst.since,
+            "burst_s": self.events.clock() - burst.since,
         }
         logger.info("storage.recovered", **fields)
         burst.since = None
@@ -243,6 +240,6 @@ class Writes:
     def _notify(self, name: str, job: WriteJob, **extra: Any) -> dict[str, object]:
         n = len(job.host_pages)
         fields: dict[str, object] = {"lifecycle": job.lifecycle_id, "rid": job.rid, "transfer": job.id}
-        fields.update(pages=n, bytes=n * self.page_bytes, t=self.clock(), **extra)
+        fields.update(pages=n, bytes=n * self.page_bytes, t=self.events.clock(), **extra)
         self.events.notify(name, fields)
         return fields

@@ -228,10 +228,6 @@ class DriverBase:
         """The core's live counters (read them through :meth:`statistics`)."""
         return self.core.counters
 
-    @counters.setter
-    def counters(self, value: Counters) -> None:
-        self.core.counters = value
-
     # --- the owner thread ------------------------------------------------------------------
 
     def _check_owner(self, what: str) -> None:

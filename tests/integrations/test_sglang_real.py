@@ -369,7 +369,7 @@ def hours_pass(mgr: Any) -> Hours:
     """Put a clock the test moves under the drop-in's manager (driver and core)."""
     clock = Hours()
     mgr.manager.clock = clock
-    mgr.manager.core.clock = clock
+    mgr.manager.core.events.clock = clock  # the clock every room of the core reads
     return clock
 
 
