@@ -156,11 +156,13 @@ class Chunks:
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
         send = self.send
         chunks = pages = 0
+        sent: list[Lifecycle] = []
         try:
             for j, (lc, want, n, host) in enumerate(plans):
                 if host is not None:
                     try:
                         send(lc, n, host, cast("list[bytes]", chains[j]), ready, now, False)
+                        sent.append(lc)
                     except BaseException:
                         for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was
                             if h is not None:
@@ -173,6 +175,7 @@ class Chunks:
                 progress[0] += 1
         finally:
             self._count(chunks, pages)
+            self.registry.fire_all(sent, _SUBMIT, now)
 
     def _count(self, chunks: int, pages: int) -> None:
         """``chunks`` chunks of ``pages`` pages were sent (counted once per call)."""
@@ -190,13 +193,14 @@ class Chunks:
         digests: list[bytes],
         ready: Any,
         now: float,
-        count: bool,
+        alone: bool,
     ) -> None:
         """Send ``lc``'s next ``n`` tokens, copied into ``host`` under ``digests``: the
         mover's ``accept`` first (it may raise: nothing changed, the caller returns the
         host pages), then the tokens leave the tail, the chain moves on to the chunk's
-        last page, the next chunk is due a stride on, it is counted (``count``; else the
-        caller counts its run of chunks once, :meth:`_count`), and the table steps (F10)."""
+        last page, the next chunk is due a stride on, and - ``alone`` - it is counted and
+        the table steps (F10); else the caller counts and steps its run of chunks at once
+        (:meth:`submit_run`)."""
         first = lc.submitted // self._ps
         stream = lc.id % self.streams  # a lifecycle's chunks share one stream, in order
         dev = lc.device_pages[first : first + len(host)]
@@ -210,11 +214,12 @@ class Chunks:
         lc.inflight += 1
         self.inflight[t.id] = t
         self.next_seq += 1
-        if count:
-            self._count(1, len(host))
         events = self.events
         if lc._row < 0:  # (a batch row's fast path stays closed: its _quiet is -1)
             requiet(lc, events.observed)
+        if not alone:  # the batched caller counts and steps its whole run at once
+            return
+        self._count(1, len(host))
         if events.observed:
             npages = len(host)
             fields = {"transfer": t.id, "pages": npages, "bytes": npages * self.page_bytes, "tokens": n}
@@ -362,11 +367,11 @@ class Chunks:
                 t = inflight.pop(tid, None)
                 if t is None:
                     raise KVOffloadError(f"transfer #{tid} completed twice or was never submitted")
-                # A lifecycle with a copy in flight is never RELEASED, so it is live.
-                lc = live.get(t.lifecycle_id)  # type: ignore[call-overload]
-                if lc is None:  # that invariant broken (a kvoffload bug): nothing applied
+                try:  # a lifecycle with a copy in flight is never RELEASED, so it is live
+                    lc = live[t.lifecycle_id]  # type: ignore[index]
+                except KeyError:  # that invariant broken (a kvoffload bug): nothing applied
                     self._back_in_flight(t)
-                    raise InvariantViolation(f"{t!r} completed, but its lifecycle is not live")
+                    raise InvariantViolation(f"{t!r} completed, but its lifecycle is not live") from None
                 t.completed_at = now
                 t.error = error
                 lc.inflight -= 1
