@@ -6,7 +6,10 @@ and what is allowed, and is raised *before* any count or page changes.
 
 from __future__ import annotations
 
+from _thread import get_ident
+
 __all__ = [
+    "wrong_thread",
     "BackendError",
     "ConfigError",
     "DrainTimeout",
@@ -137,3 +140,20 @@ class WrongThread(KVOffloadError, RuntimeError):
     thread that opened a :class:`~kvoffload.SyncOffloadManager`. The message names both
     threads; nothing was changed.
     """
+
+
+def wrong_thread(owner: int, what: str) -> WrongThread:
+    """The error for a call from a thread other than ``owner`` (names both threads)."""
+    import threading  # (the message names the threads: read, never started)
+
+    def name(ident: int) -> str:
+        for t in threading.enumerate():
+            if t.ident == ident:
+                return f"{t.name!r} (ident {ident})"
+        return f"ident {ident}"
+
+    return WrongThread(
+        f"{what} was called from thread {name(get_ident())}, but this manager is owned by thread "
+        f"{name(owner)}: every call must come from the owner thread (the event loop's thread, or the "
+        "thread that opened the SyncOffloadManager); nothing was changed"
+    )

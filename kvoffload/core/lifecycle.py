@@ -19,7 +19,7 @@ from array import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NewType, Protocol
 
-from kvoffload.errors import KVOffloadError, WrongThread
+from kvoffload.errors import KVOffloadError, wrong_thread
 from kvoffload.keys import TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
@@ -33,7 +33,6 @@ __all__ = [
     "LifecycleId",
     "Waker",
     "requiet",
-    "wrong_thread",
 ]
 
 LifecycleId = NewType("LifecycleId", int)
@@ -105,23 +104,6 @@ def requiet(lc: Lifecycle, observed: bool) -> None:
         and lc._row < 0  # a row's tokens are not in the tail yet: no fast path
     )
     lc._quiet = lc.due - 1 if quiet else -1
-
-
-def wrong_thread(owner: int, what: str) -> WrongThread:
-    """The error for a call from a thread other than ``owner`` (names both threads)."""
-    import threading
-
-    def name(ident: int) -> str:
-        for t in threading.enumerate():
-            if t.ident == ident:
-                return f"{t.name!r} (ident {ident})"
-        return f"ident {ident}"
-
-    return WrongThread(
-        f"{what} was called from thread {name(get_ident())}, but this manager is owned by thread "
-        f"{name(owner)}: every call must come from the owner thread (the event loop's thread, or the "
-        "thread that opened the SyncOffloadManager); nothing was changed"
-    )
 
 
 class Lifecycle:

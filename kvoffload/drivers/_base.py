@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
-from kvoffload.core.lifecycle import Lifecycle, wrong_thread
+from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
-from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError
+from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError, wrong_thread
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
 from kvoffload.lifecycle.table import validate
 from kvoffload.pools import EnginePages
