@@ -85,10 +85,10 @@ def corrupt_page(store: FileStorage, key: str) -> None:
 
 
 class SyncRig:
-    def __init__(self, backend: str, store: Storage) -> None:
+    def __init__(self, backend: str, store: Storage, cfg: kvo.OffloadConfig | None = None, **kw: Any) -> None:
         self.backend = make_backend(backend)
         self.store = store
-        self.mgr = kvo.SyncOffloadManager(config(), backend=self.backend, storage=store)
+        self.mgr = kvo.SyncOffloadManager(cfg or config(), backend=self.backend, storage=store, **kw)
         self.mgr.open()
 
     def drive(self, until: Any) -> None:
@@ -461,3 +461,48 @@ async def test_async_start_load_without_a_store_names_it() -> None:
         with pytest.raises(kvo.StorageError, match="no storage tier"):
             mgr.start_load(TOKENS, [0, 1, 2, 3])
         assert mgr.statistics().loads_begun == 0
+
+
+def test_sync_load_under_a_tp_group_is_refused_with_a_typed_error() -> None:
+    """Under a tensor-parallel group (here a gloo group of one rank) load() is refused
+    with a ConfigError that says it is not supported there; nothing is begun or held."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    with kvo.SyncOffloadManager(config(), backend=SimBackend(), storage=MemoryStorage(), group=group) as mgr:
+        with pytest.raises(kvo.ConfigError, match="tensor-parallel group"):
+            mgr.load(TOKENS, [0, 1, 2, 3])
+        s = mgr.statistics()
+        assert (s.loads_begun, s.host_pages_used) == (0, 0)
+
+
+@pytest.mark.parametrize("backend_name", ["sim", "cpu"])
+def test_sync_engine_owned_round_trip_loads_every_kv_tensor(backend_name: str, tmp_path: Path) -> None:
+    """Engine-owned mode (the engine's KV tensors, device_pages=None): pages offloaded
+    from the engine's pages 1..4 through the file store come back into pages 9..12 of
+    every tensor, byte for byte."""
+    kv = [torch.zeros(16, PAGE, 3) for _ in range(2)]
+    cfg = kvo.OffloadConfig(
+        page_size=PAGE, stride=PAGE, device_pages=None, host_pages=8, drain_timeout_s=HANG_S
+    )
+    rig = SyncRig(backend_name, FileStorage(tmp_path / "kv"), cfg, device_kv=kv)
+    try:
+        mgr = rig.mgr
+        src = [1, 2, 3, 4]
+        lc = mgr.admit("src", TOKENS, pages=src, stored=0)
+        for j, t in enumerate(kv):
+            for i, p in enumerate(src):
+                t[p] = torch.full((PAGE, 3), 10.0 * j + i + 0.5)
+        want = [[t[p].clone() for p in src] for t in kv]
+        lc.finish()
+        rig.drive(lambda: lc.released and not mgr.writes_pending)
+        ld = mgr.load(TOKENS, [9, 10, 11, 12])
+        rig.drive(lambda: ld.done)
+        assert ld.outcome is LoadOutcome.LOADED
+        for j, t in enumerate(kv):
+            assert all(torch.equal(t[p], want[j][i]) for i, p in enumerate([9, 10, 11, 12]))
+        mgr.check_invariants()
+    finally:
+        rig.close()
