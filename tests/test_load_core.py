@@ -276,6 +276,7 @@ def _unchanged(rig: Rig, before: kvo.Statistics) -> None:
         (([], []), kvo.PageError, "at least one page"),
         (([b"k"], [0]), kvo.ConfigError, "keys must be"),
         (("abc", [0, 1, 2]), kvo.ConfigError, "keys must be"),
+        ((iter(keys(1)), [0]), kvo.ConfigError, "keys must be"),
         ((keys(1), {0}), kvo.PageError, "ordered"),
     ],
 )

@@ -235,7 +235,7 @@ class Loads:
         :class:`~kvoffload.KVOffloadError` once the core is closing."""
         if self.registry.closing:
             raise KVOffloadError("the manager is closed: no load can begin")
-        if isinstance(keys, (str, bytes)) or not all(type(k) is str for k in keys):
+        if not isinstance(keys, (list, tuple)) or not all(type(k) is str for k in keys):
             raise ConfigError(f"keys must be a list of page keys (str), got {keys!r:.80}")
         if type(first_page) is not int or first_page < 0:
             raise ConfigError(
