@@ -18,6 +18,8 @@ the offload lifecycle):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -26,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import kvoffload as kvo
 from kvoffload.abc import Transfer
 from kvoffload.core import OffloadCore
-from kvoffload.pools import DevicePool, HostPool
+from kvoffload.pools import DevicePool, EnginePages, HostPool
 from kvoffload.testing import SimBackend
 
 LoadOutcome = kvo.LoadOutcome
@@ -49,11 +51,22 @@ class _Seen:
 
 
 class LoadInterleavings(RuleBasedStateMachine):
+    #: Engine-owned mode: the engine's KV tensors (two, as K and V) and page ids; else
+    #: kvoffload's own device pool.
+    engine = False
+
     def __init__(self) -> None:
         super().__init__()
-        cfg = kvo.OffloadConfig(page_size=4, stride=4, device_pages=PAGES, host_pages=HOST, kv_shape=(2,))
-        self.device = DevicePool.create(PAGES, 4, (2,), "float32")
-        self.host = HostPool.new(HOST, (4, 2), "float32", zero=True)
+        pages = None if self.engine else PAGES
+        cfg = kvo.OffloadConfig(page_size=4, stride=4, device_pages=pages, host_pages=HOST, kv_shape=(2,))
+        if self.engine:
+            self.kv = [torch.zeros(PAGES, 4, 1) for _ in range(2)]
+            self.device: Any = EnginePages(self.kv, 4)
+            self.host = HostPool.new(HOST, (self.device.page_bytes,), "uint8", zero=True)
+        else:
+            self.device = DevicePool.create(PAGES, 4, (2,), "float32")
+            self.kv = [self.device.tensor]
+            self.host = HostPool.new(HOST, (4, 2), "float32", zero=True)
         self.backend = SimBackend()
         self.backend.open(self.device, self.host)
         self.core = OffloadCore(cfg, device_pool=self.device, host_pool=self.host, accept=self.accept)
@@ -78,7 +91,21 @@ class LoadInterleavings(RuleBasedStateMachine):
         self.backend.submit(t)
 
     def page(self, p: int) -> bytes:
-        return self.device.tensor[p].numpy().tobytes()
+        return b"".join(t[p].numpy().tobytes() for t in self.kv)
+
+    def free_pages(self) -> list[int]:
+        """Device pages neither a live lifecycle nor a live load holds (the engine's free
+        pages in engine-owned mode)."""
+        loads = self.core.loads.device
+        return [p for p in range(PAGES) if not self.device.is_allocated(p) and p not in loads]
+
+    def write_host(self, h: int) -> bytes:
+        row = self.host.tensor[h]
+        vals = self.fresh(row.numel())
+        row.copy_(
+            (vals % 251).to(torch.uint8).view_as(row) if row.dtype == torch.uint8 else vals.view_as(row)
+        )
+        return bytes(row.numpy().tobytes())
 
     def fresh(self, n: int) -> torch.Tensor:
         self.stamp += 1.0
@@ -122,12 +149,13 @@ class LoadInterleavings(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 3), rid=st.sampled_from(["a", "b"]))
     def begin(self, n: int, rid: str) -> None:
-        free = [p for p in range(PAGES) if not self.device.is_allocated(p)]
+        free = self.free_pages()
         if len(free) < n:
             return
         pages = free[-n:][::-1]
         for p in pages:  # what the device page held before the load (the engine's old KV)
-            self.device.tensor[p] = self.fresh(8).view(4, 2)
+            for t in self.kv:
+                t[p] = self.fresh(t[p].numel()).view_as(t[p])
         old = [self.page(p) for p in pages]
         keys = [f"{rid}{self.stamp:08.0f}{i}".ljust(64, "0") for i in range(n)]
         host_free = self.host.free_pages
@@ -166,8 +194,7 @@ class LoadInterleavings(RuleBasedStateMachine):
         n = data.draw(st.integers(0, len(ld.keys)))
         s.host = []
         for h in ld.host_pages[:n]:  # the store's checked bytes
-            self.host.tensor[h] = self.fresh(8).view(4, 2)
-            s.host.append(self.host.tensor[h].numpy().tobytes())
+            s.host.append(self.write_host(h))
         s.read = (n, raised)
         done = self.core.load_read(ld, n, OSError("store down") if raised else None)
         assert all(d.done for d in done)
@@ -207,9 +234,12 @@ class LoadInterleavings(RuleBasedStateMachine):
 
     @rule(n=st.integers(4, 9))
     def admit(self, n: int) -> None:
-        if self.device.free_pages < -(-n // 4):
+        free = self.free_pages()
+        need = -(-n // 4)
+        if len(free) < need:
             return
-        self.lifecycles.append(self.core.admit("a", list(range(n)), stored=0))
+        pages = free[:need] if self.engine else None
+        self.lifecycles.append(self.core.admit("a", list(range(n)), pages=pages, stored=0))
 
     @precondition(lambda self: any(not lc.released for lc in self.lifecycles))
     @rule(data=st.data(), abort=st.booleans())
@@ -254,5 +284,11 @@ class LoadInterleavings(RuleBasedStateMachine):
         assert all(s.ld.done for s in self.seen.values())
 
 
+class EngineOwnedLoadInterleavings(LoadInterleavings):
+    engine = True
+
+
 TestLoadInterleavings = LoadInterleavings.TestCase
 TestLoadInterleavings.settings = settings(settings.default, max_examples=300, stateful_step_count=40)
+TestEngineOwnedLoadInterleavings = EngineOwnedLoadInterleavings.TestCase
+TestEngineOwnedLoadInterleavings.settings = TestLoadInterleavings.settings
