@@ -138,7 +138,7 @@ def test_a_load_copies_the_pages_read_into_its_device_pages(rig: Rig) -> None:
     assert ld.state is LoadState.COPYING and ld.device_busy
     t = ld.transfer
     assert t is not None and t.direction == "h2d" and t.device_pages == [7, 3, 20] and t.lifecycle_id == ld.id
-    assert t.keys == keys(3)
+    assert t.keys == keys(3) and (t.first_token, t.n_tokens) == (8, 12)  # pages 2..4 of 4 tokens
     rig.deliver()
     assert ld.done and ld.outcome is LoadOutcome.LOADED and ld.pages_loaded == 3 and not ld.device_busy
     assert [rig.page(p) for p in (7, 3, 20)] == want

@@ -335,8 +335,10 @@ class Loads:
             self.host_pool.free(host[n_ok:])
             ld._host = host = host[:n_ok]
         now = self.events.clock()
+        ps = self.registry.config.page_size  # (the request's tokens the pages hold: labels)
+        first, n = ld.first_page * ps, n_ok * ps
         t = Transfer(
-            ld, ld.device_pages[:n_ok], host, ld.keys[:n_ok], 0, n_ok, now, 0, None, True, direction="h2d"
+            ld, ld.device_pages[:n_ok], host, ld.keys[:n_ok], first, n, now, 0, None, True, direction="h2d"
         )
         t.seq = self.next_seq
         try:
