@@ -159,7 +159,11 @@ def check_kv_cache_config(kv_cache_config: Any) -> Any:
             f"{len(groups)} (a hybrid model: Mamba, sliding-window or mixed attention is refused)"
         )
     spec = groups[0].kv_cache_spec
-    if type(spec) is not FullAttentionSpec or getattr(spec, "sliding_window", None) is not None:
+    if (
+        type(spec) is not FullAttentionSpec
+        or getattr(spec, "sliding_window", None) is not None
+        or getattr(spec, "attention_chunk_size", None) is not None
+    ):
         raise ConfigError(
             f"KVOffloadConnector supports plain full attention only; this model's KV cache is "
             f"{type(spec).__name__} (sliding-window, chunked-local, MLA, Mamba and other layouts are refused)"

@@ -239,7 +239,7 @@ class Settings:
             if v is not None and (type(v) is not int or v <= 0):
                 raise ConfigError(f"{key} must be a positive int or None, got {v!r}")
         for key in ("lookup_timeout_s", "io_timeout_s"):
-            v = extra.get(key, getattr(cls, key))
+            v = extra.get(key, 5.0)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
                 raise ConfigError(f"{key} must be a finite number > 0 (nothing waits for ever), got {v!r}")
         if extra.get("tp_keys", "rank") != "rank":
