@@ -23,8 +23,8 @@ an unknown key is refused):
 - ``storage`` (required): a directory (``"kv-store/"``, ``"file:///..."``), a
   ``redis://`` URL, or ``"memory"`` (one process only);
 - ``namespace``: seeds every page key; another namespace's pages are invisible (F22);
-- ``host_pages``: host staging pages per worker for stores (default a quarter of vLLM's
-  blocks, 64 to 4096); ``load_pages``: for loads (default ``host_pages``);
+- ``host_pages``: host staging pages per worker, shared by stores and loads (default a
+  quarter of vLLM's blocks, 64 to 4096);
 - ``stride``: tokens per copy while decoding, a multiple of the block size (default one
   block: each block goes out as soon as it is full);
 - ``lookup_timeout_s`` (5): the most one store lookup waits (then a miss);
@@ -213,7 +213,6 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
                 host_pages=self.settings.host_pages_for(self.num_blocks),
-                load_pages=self.settings.load_pages,
                 lookup=self._lookup,
                 world_size=self.tp_size,
                 stride=self.settings.stride,
@@ -309,7 +308,6 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tensors,
             block_size=self.block_size,
             host_pages=self.settings.host_pages_for(self.num_blocks),
-            load_pages=self.settings.load_pages,
             storage=store,
             io_timeout_s=self.settings.io_timeout_s,
         )

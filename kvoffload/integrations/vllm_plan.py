@@ -44,13 +44,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload.abc import Transfer
+from kvoffload.abc import Transfer, TransferId
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.core.lifecycle import Lifecycle
+from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import BackendError, ConfigError, KVOffloadError, StorageError
 from kvoffload.integrations.vllm_keys import page_keys, refusal, request_seed
+from kvoffload.lifecycle.load_spec import LoadOutcome
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.pools import EnginePages, HostPool
 
@@ -179,7 +181,6 @@ SETTING_KEYS = (
     "storage",
     "namespace",
     "host_pages",
-    "load_pages",
     "stride",
     "lookup_timeout_s",
     "io_timeout_s",
@@ -198,10 +199,8 @@ class Settings:
     namespace: str | None = None
     """The deployment's namespace (model, tenant): seeds every key (F22)."""
     host_pages: int | None = None
-    """Host staging pages per worker for stores (default: a quarter of vLLM's blocks,
-    at least 64, at most 4096)."""
-    load_pages: int | None = None
-    """Host staging pages per worker for loads (default ``host_pages``)."""
+    """Host staging pages per worker, for stores and loads (default: a quarter of
+    vLLM's blocks, at least 64, at most 4096)."""
     stride: int | None = None
     """Tokens per copy while decoding, a multiple of the block size (default one block)."""
     lookup_timeout_s: float = 5.0
@@ -234,7 +233,7 @@ class Settings:
         ns = extra.get("namespace")
         if ns is not None and (not isinstance(ns, str) or not ns):
             raise ConfigError(f"namespace must be a non-empty str or None, got {ns!r}")
-        for key in ("host_pages", "load_pages", "stride"):
+        for key in ("host_pages", "stride"):
             v = extra.get(key)
             if v is not None and (type(v) is not int or v <= 0):
                 raise ConfigError(f"{key} must be a positive int or None, got {v!r}")
@@ -258,24 +257,6 @@ class Settings:
 # --- the scheduler's records ---------------------------------------------------------
 
 
-class _Load:
-    """One load of leading pages of a request's prompt into the blocks vLLM allocated
-    for them: READING until every worker reported it, then DONE (its host pages back)."""
-
-    __slots__ = ("cancelled", "device_pages", "host_pages", "id", "keys", "pages_loaded", "req_id")
-
-    def __init__(
-        self, lid: int, req_id: str, keys: list[str], device_pages: list[int], host: list[int]
-    ) -> None:
-        self.id = lid
-        self.req_id = req_id
-        self.keys = keys
-        self.device_pages = device_pages
-        self.host_pages = host
-        self.cancelled = False
-        self.pages_loaded: int | None = None  # None while READING
-
-
 class _Request:
     """The planner's record of one live vLLM request (see the module doc)."""
 
@@ -289,7 +270,8 @@ class _Request:
         # lc: the request's lifecycle while it is scheduled; None before its first
         # step and after a preemption (a new one is admitted when it runs again).
         self.lc: Lifecycle | None = None
-        self.load: _Load | None = None
+        # load: its load from the store (the core's Load) until DONE.
+        self.load: Load | None = None
         # off: nothing of this request is stored (refused, or its offload failed).
         self.off = off
 
@@ -301,9 +283,9 @@ class Planner:
     how many leading keys the store has (the connector's bounded, side-effect free
     store query; it may raise, which counts as none). ``world_size``: the workers that
     must report a job before it counts done. ``stride``: tokens per copy while decoding
-    (a multiple of ``block_size``; default one block). ``load_pages``: host pages loads
-    may use at once (default ``host_pages``). ``max_blocks``: most blocks one request
-    can have (vLLM's ``max_model_len`` in blocks).
+    (a multiple of ``block_size``; default one block); the host pages are shared by
+    stores and loads. ``max_blocks``: most blocks one request can have (vLLM's
+    ``max_model_len`` in blocks).
     """
 
     def __init__(
@@ -316,7 +298,6 @@ class Planner:
         world_size: int = 1,
         stride: int | None = None,
         namespace: str | None = None,
-        load_pages: int | None = None,
         max_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -354,20 +335,18 @@ class Planner:
         # Invariant: not (set(self._free_ids) & set(self._block_of))
         self._free_ids: list[int] = list(range(self._n_own - 1, -1, -1))
         self._block_of: dict[int, int] = {}
-        self._load_pool = HostPool.new(
-            host_pages if load_pages is None else load_pages,
-            (1,),
-            "uint8",
-            buffer=torch.empty(0, device="meta"),
-        )
         # _requests: live vLLM requests by their id (module doc: lookups only, never routing).
         self._requests: dict[str, _Request] = {}
         # _held: lifecycle id -> request id, for the finished requests whose blocks vLLM
         #   holds because request_finished returned True; reported in `release` at RELEASED.
         self._held: dict[int, str] = {}
-        # _loads: loads not yet done (READING), by load id.
-        self._loads: dict[int, _Load] = {}
-        self._next_load = 1
+        # _loads: loads whose workers have not all reported, by load id (the core's Load).
+        self._loads: dict[int, Load] = {}
+        # _h2d: the h2d copies the core just submitted for loads whose read returned:
+        #   the workers did them already (read and copy are one job there).
+        self._h2d: list[TransferId] = []
+        # _refused_loads: ids (below 0) of the loads the core refused (reported, never begun).
+        self._refused_loads = 0
         # _copy_of: in-flight copy id -> lifecycle id (for the preemption fence).
         self._copy_of: dict[int, int] = {}
         # _counts: ranks that reported each job so far, until world_size did.
@@ -383,6 +362,9 @@ class Planner:
     def _accept(self, t: Transfer) -> None:
         """Each copy the core makes due goes into the next step's plan, its stand-in ids
         translated to vLLM's blocks (a KeyError here would be a bug: nothing changes)."""
+        if t.direction == "h2d":  # a load's copy: the workers did it with the read
+            self._h2d.append(t.id)
+            return
         blocks = [self._block_of[v] for v in t.device_pages]
         self._plan.copies.append(
             CopyJob(t.id, blocks, list(t.host_pages), t.keys, t.lifecycle_id, t.first_token)
@@ -445,7 +427,7 @@ class Planner:
         first = num_computed // bs
         if n_pages <= first:
             return 0
-        n_pages = min(n_pages, first + self._load_pool.free_pages)
+        n_pages = min(n_pages, first + self.core.host_pool.free_pages)
         keys = page_keys(rec.seed, tokens, bs, n_pages)
         try:
             hit = int(self.lookup(keys))
@@ -466,22 +448,46 @@ class Planner:
         bs = self.block_size
         first, n = rec.local // bs, num_external // bs
         keys = page_keys(rec.seed, request.all_token_ids, bs, first + n)[first:]
-        host = self._load_pool.try_allocate(n) or []  # none left: every page fails, vLLM recomputes
-        load = _Load(self._next_load, request.request_id, keys, list(block_ids[first : first + n]), host)
-        self._next_load += 1
+        blocks = list(block_ids[first : first + n])
+        try:
+            ids = self._ids(blocks)
+            try:
+                load = self.core.load_begin(request.request_id, keys, ids, tag=ids, first_page=first)
+            except BaseException:
+                self._forget(ids)
+                raise
+        except KVOffloadError as exc:  # never into vLLM: the workers still report it, every block an error
+            logger.warning("vllm.load_refused", rid=request.request_id, error=repr(exc))
+            self._refused_loads -= 1
+            self._plan.loads.append(LoadJob(self._refused_loads, request.request_id, keys, blocks, []))
+            return
+        # A load the core ended at once (no host pages: MISSED) still goes to the
+        # workers, with no host pages: they report the request (and its blocks as
+        # load errors), which vLLM waits for.
         rec.load = self._loads[load.id] = load
-        self._plan.loads.append(LoadJob(load.id, load.req_id, keys, load.device_pages, host))
+        self._plan.loads.append(LoadJob(load.id, request.request_id, keys, blocks, load.host_pages))
 
-    def _load_done(self, load: _Load, pages: int, error: str | None) -> None:
-        self._loads.pop(load.id, None)
-        load.pages_loaded = pages
-        if load.host_pages:
-            self._load_pool.free(load.host_pages)
-        if error is not None or pages < len(load.keys):
-            logger.warning(
-                "vllm.load_incomplete", rid=load.req_id, pages=len(load.keys), loaded=pages, error=error
-            )
-        rec = self._requests.get(load.req_id)
+    def _load_done(self, load: Load, pages: int, error: str | None) -> None:
+        """Every worker reported ``load``: the read's result goes to the core (which
+        submits the h2d copy the workers already did, completed here at once)."""
+        del self._loads[load.id]
+        if not load.done:
+            err = None if error is None else StorageError(error)
+            self.core.load_read(load, min(pages, len(load.keys)), err)
+            done, self._h2d = self._h2d, []
+            if done:
+                self._released(self.core.complete([(tid, None) for tid in done]))
+        for ld in self.core.take_loads():
+            self._forget([v for v in ld.tag if v in self._block_of])
+            if ld.outcome is not LoadOutcome.LOADED:
+                logger.warning(
+                    "vllm.load_incomplete",
+                    rid=ld.rid,
+                    pages=len(ld.keys),
+                    loaded=ld.pages_loaded,
+                    reason=ld.reason,
+                )
+        rec = self._requests.get(load.rid)
         if rec is not None and rec.load is load:
             rec.load = None
 
@@ -583,8 +589,8 @@ class Planner:
             return False
         if rec.load is not None:
             load, rec.load = rec.load, None
-            if load.pages_loaded is None and not load.cancelled:
-                load.cancelled = True
+            if not load.done:
+                self.core.load_cancel(load)
                 self._plan.cancels.append(load.id)
         lc, rec.lc = rec.lc, None
         if lc is None or lc.released:

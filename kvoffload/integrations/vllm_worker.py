@@ -131,9 +131,9 @@ def _writable_pages(pool: HostPool, pages: Sequence[int]) -> list[memoryview]:
 class Mover:
     """One rank's movers (see the module doc). ``Mover(kv, block_size=, host_pages=,
     storage=)``: ``kv`` are the engine-page tensors of every layer (:func:`block_tensors`);
-    ``storage`` the store, already seen through this rank's keys; ``load_pages``:
-    staging pages for loads (default ``host_pages``); ``io_timeout_s``: the most one
-    store read or one fence waits."""
+    ``storage`` the store, already seen through this rank's keys; the host pool is
+    shared by stores and loads (the scheduler's core hands its pages out);
+    ``io_timeout_s``: the most one store read or one fence waits."""
 
     def __init__(
         self,
@@ -142,7 +142,6 @@ class Mover:
         block_size: int,
         host_pages: int,
         storage: Storage | None,
-        load_pages: int | None = None,
         policy: WritePolicy | None = None,
         io_timeout_s: float = 30.0,
         backend: EventBackend | None = None,
@@ -153,7 +152,6 @@ class Mover:
         self.device = EnginePages(list(kv), block_size)
         nb = self.device.page_bytes
         self.host = HostPool.new(host_pages, (nb,), "uint8")
-        self.load_host = HostPool.new(host_pages if load_pages is None else load_pages, (nb,), "uint8")
         self.io_timeout_s = io_timeout_s
         if backend is None:
             backend = resolve_backend("cuda" if self.device.device.type == "cuda" else "cpu")
@@ -280,13 +278,13 @@ class Mover:
             if n < len(job.keys):
                 error = f"no host pages for {len(job.keys) - n} of {len(job.keys)} page(s)"
             if n and self.writer is not None and self.storage is not None:
-                dest = _writable_pages(self.load_host, job.host_pages[:n])
+                dest = _writable_pages(self.host, job.host_pages[:n])
                 pages = int(self.writer.call(self.storage.get_into(job.keys[:n], dest), self.io_timeout_s))
                 del dest
             with self._lock:
                 cancelled = job.id in self._cancelled
             if pages and not cancelled:
-                copy_h2d(self.device, self.load_host, job.device_pages[:pages], job.host_pages[:pages])
+                copy_h2d(self.device, self.host, job.device_pages[:pages], job.host_pages[:pages])
         except Exception as exc:  # the store or the copy failed: nothing counts as loaded
             pages, error = 0, repr(exc)
         with self._lock:

@@ -257,3 +257,29 @@ def test_rank_reports_merge_as_vllm_aggregates_them() -> None:
         and m.writes == {2: (2, False, "down")}
         and m.loads == {3: (2, 2, "short")}
     )
+
+
+def test_a_load_the_core_refuses_is_still_reported_every_block_an_error(tmp_path: Path) -> None:
+    """vLLM waits for finished_recving of every request it made wait for a load: when
+    the core refuses to begin one (here a broken core part raises), the workers still
+    report the request, with every promised block a load error (recomputed), and
+    nothing raises into vLLM."""
+    prompt = list(range(1500, 1513))
+    _store_prompt(tmp_path, prompt)
+    rig = Rig(FileStorage(tmp_path))
+    try:
+
+        def refuse(*args: object, **kwargs: object) -> object:
+            from kvoffload.errors import PageError
+
+            raise PageError("refused")
+
+        rig.planner.core.load_begin = refuse  # type: ignore[method-assign]
+        req = FakeRequest("b", prompt)
+        assert rig.add(req) == 3 * BS
+        rig.settle()
+        assert rig.recvd == ["b"] and rig.load_errors == set(rig.blocks["b"][:3])
+        assert req.num_computed_tokens == 0
+        rig.planner.check_invariants()
+    finally:
+        rig.close()
