@@ -5,9 +5,11 @@ tests live with the engine harness). Run in the vllm environment:
 
 Three fresh engine processes, one after the other, on a tiny dummy-weight Llama
 (vLLM's dummy loader is seeded: every process computes the same model): no connector;
-kvoffload storing to a file store; kvoffload in a fresh process loading from it. The
-third must report cached tokens (prefix caching off, so they came from the store) and
-give the same greedy tokens and logprobs as the first. Prints one JSON line per run
+kvoffload storing to a file store; kvoffload in a fresh process loading from it; and
+one more on a copy of the store with one page corrupted. The third must report cached
+tokens (prefix caching off, so they came from the store; a follow-up prompt that
+repeats prompt + answer loads the decoded tokens too) and give the same greedy tokens
+and logprobs as the first; so must the fourth (the corrupt page recomputed, F38). Prints one JSON line per run
 and ``SMOKE OK`` at the end.
 """
 
@@ -95,6 +97,25 @@ def main() -> None:
         print(json.dumps({name: [(r["cached"], r["tokens"][:6]) for r in results[name]]}), flush=True)
     files = sum(1 for _ in store.rglob("*") if _.is_file())
     print(json.dumps({"store_files": files}))
+    # F38: a corrupt page (block 3 of the shared prefix) in a copy of the store: the
+    # load stops there, vLLM recomputes from it, the output is the same
+    import shutil
+
+    from kvoffload.integrations.vllm_keys import page_keys, seed
+    from kvoffload.storage.file import FileStorage
+
+    bad = work / "store-corrupt"
+    shutil.copytree(store, bad)
+    key = page_keys(seed("smoke"), prompts()[0], 32, 4)[3]
+    path = FileStorage(bad).path(key)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    out = work / "corrupt.json"
+    cmd = [sys.executable, __file__, "--engine", str(model), str(bad) + "/", str(out)]
+    subprocess.run(cmd, check=True, timeout=600, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    results["corrupt"] = json.loads(out.read_text())
+    print(json.dumps({"corrupt": [(r["cached"], r["tokens"][:6]) for r in results["corrupt"]]}), flush=True)
     plain, load = results["plain"], results["load"]
     assert all(r["cached"] > 0 for r in load), [r["cached"] for r in load]
     # the follow-up (209 prompt + 20 answer tokens) loads 7 blocks: one holds decoded tokens
@@ -103,6 +124,8 @@ def main() -> None:
         assert a["tokens"] == b["tokens"], (a["tokens"], b["tokens"])
         assert a["logprobs"] == b["logprobs"]
     assert [r["tokens"] for r in results["store"]] == [r["tokens"] for r in plain]
+    for a, b in zip(plain, results["corrupt"], strict=True):
+        assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"], "a corrupt page was served"
     print("SMOKE OK")
 
 
