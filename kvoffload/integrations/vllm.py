@@ -24,7 +24,7 @@ an unknown key is refused):
   ``redis://`` URL, or ``"memory"`` (one process only);
 - ``namespace``: seeds every page key; another namespace's pages are invisible (F22);
 - ``host_pages``: host staging pages per worker, shared by stores and loads (default a
-  quarter of vLLM's blocks, 64 to 4096);
+  quarter of vLLM's blocks, 64 to 4096, at most 1 GiB);
 - ``stride``: tokens per copy while decoding, a multiple of the block size (default one
   block: each block goes out as soon as it is full);
 - ``lookup_timeout_s`` (5): the most one store lookup waits (then a miss);
@@ -195,6 +195,10 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert kv_cache_config is not None
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        # host pages: the same number on the scheduler and on every worker
+        self.host_pages = self.settings.host_pages_for(
+            self.num_blocks, int(spec.page_size_bytes) * len(self.layer_names)
+        )
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
@@ -212,7 +216,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.planner = Planner(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                host_pages=self.settings.host_pages_for(self.num_blocks),
+                host_pages=self.host_pages,
                 lookup=self._lookup,
                 world_size=self.tp_size,
                 stride=self.settings.stride,
@@ -307,7 +311,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.mover = Mover(
             tensors,
             block_size=self.block_size,
-            host_pages=self.settings.host_pages_for(self.num_blocks),
+            host_pages=self.host_pages,
             storage=store,
             io_timeout_s=self.settings.io_timeout_s,
         )

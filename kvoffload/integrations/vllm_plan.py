@@ -200,7 +200,7 @@ class Settings:
     """The deployment's namespace (model, tenant): seeds every key (F22)."""
     host_pages: int | None = None
     """Host staging pages per worker, for stores and loads (default: a quarter of
-    vLLM's blocks, at least 64, at most 4096)."""
+    vLLM's blocks, at least 64, at most 4096 and at most 1 GiB)."""
     stride: int | None = None
     """Tokens per copy while decoding, a multiple of the block size (default one block)."""
     lookup_timeout_s: float = 5.0
@@ -249,9 +249,15 @@ class Settings:
             raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {extra['on_load_error']!r}")
         return cls(**{k: extra[k] for k in SETTING_KEYS if k in extra})
 
-    def host_pages_for(self, num_blocks: int) -> int:
-        """Host pages for stores, given vLLM's number of blocks."""
-        return self.host_pages if self.host_pages is not None else max(64, min(4096, num_blocks // 4))
+    def host_pages_for(self, num_blocks: int, page_bytes: int = 0) -> int:
+        """Host pages for stores and loads, given vLLM's number of blocks and the bytes
+        of one block (all layers; the scheduler and every worker compute the same)."""
+        if self.host_pages is not None:
+            return self.host_pages
+        n = max(64, min(4096, num_blocks // 4))
+        if page_bytes > 0:  # at most 1 GiB of host memory per worker by default
+            n = min(n, max(16, (1 << 30) // page_bytes))
+        return n
 
 
 # --- the scheduler's records ---------------------------------------------------------
