@@ -169,6 +169,7 @@ class Mover:
         self._report = RankReport()
         self._fenced: StepPlan | None = None
         self._started: StepPlan | None = None
+        self._saved: StepPlan | None = None
         # Loads: the thread posts (job, pages, error) to _loaded under _lock;
         # _cancelled holds the ids whose copy must not start.
         self._lock = threading.Lock()
@@ -223,6 +224,8 @@ class Mover:
                     chain = self._chains[w.lifecycle_id] = WriteChain()
                     while len(self._chains) > _CHAINS:
                         self._chains.popitem(last=False)
+                else:
+                    self._chains.move_to_end(w.lifecycle_id)
                 jobs.append(
                     WriteJob(
                         w.id,
@@ -244,9 +247,11 @@ class Mover:
             self._loader.submit(self._load, job)
 
     def save(self, plan: StepPlan, ready: Any = None) -> None:
-        """``wait_for_save``: start the plan's copies of blocks (the forward wrote them)."""
-        if not plan.copies:
+        """``wait_for_save``: start the plan's copies of blocks (the forward wrote them);
+        once per plan."""
+        if not plan.copies or self._saved is plan:
             return
+        self._saved = plan
         issuer = SimpleNamespace(id=0, rid=None, tag=None)
         for job in plan.copies:
             issuer.id = job.lifecycle_id
