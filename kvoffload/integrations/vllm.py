@@ -17,7 +17,7 @@ One config line, nothing else in vLLM changes::
         ),
     )
 
-``kv_connector_extra_config`` keys (:class:`~kvoffload.integrations.vllm_plan.Settings`;
+``kv_connector_extra_config`` keys (:class:`~kvoffload.integrations.vllm_settings.Settings`;
 an unknown key is refused):
 
 - ``storage`` (required): a directory (``"kv-store/"``, ``"file:///..."``), a
@@ -41,8 +41,8 @@ which decides every copy, storage write and load, and when vLLM may have a reque
 blocks back; it asks the store only how many leading pages it has. The worker side
 (role WORKER, each rank) is a :class:`~kvoffload.integrations.vllm_worker.Mover`: vLLM's
 KV tensors, the host pool, the copier, the storage writer and the load thread. Between
-them travel plain data only: a :class:`~kvoffload.integrations.vllm_plan.StepPlan` in
-the connector metadata, a :class:`~kvoffload.integrations.vllm_plan.RankReport` in the
+them travel plain data only: a :class:`~kvoffload.integrations.vllm_messages.StepPlan` in
+the connector metadata, a :class:`~kvoffload.integrations.vllm_messages.RankReport` in the
 worker metadata (vLLM merges the ranks' with :meth:`KVOffloadWorkerMetadata.aggregate`;
 a job counts done when every rank reported it), ``finished_sending`` /
 ``finished_recving`` and the blocks of failed loads. Page size is vLLM's block size;
@@ -103,7 +103,9 @@ from vllm.v1.request import RequestStatus
 
 from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm_plan import Planner, RankReport, Settings, StepPlan
+from kvoffload.integrations.vllm_messages import RankReport, StepPlan
+from kvoffload.integrations.vllm_plan import Planner
+from kvoffload.integrations.vllm_settings import Settings
 from kvoffload.integrations.vllm_worker import Mover, block_tensors, open_store, rank_stores
 from kvoffload.pools import HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy

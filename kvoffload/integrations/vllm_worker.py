@@ -7,8 +7,8 @@ page = one vLLM block, every layer), the real host pool, a kvoffload copy backen
 (:class:`~kvoffload.backends.CpuBackend` for a CPU engine), the storage writer
 (:class:`~kvoffload.storage.writer.ThreadWriter`, whose event loop also serves the
 loads' reads) and one load thread. It does what the scheduler's
-:class:`~kvoffload.integrations.vllm_plan.StepPlan` says and reports back plain data
-(:class:`~kvoffload.integrations.vllm_plan.RankReport`, the request ids of finished
+:class:`~kvoffload.integrations.vllm_messages.StepPlan` says and reports back plain data
+(:class:`~kvoffload.integrations.vllm_messages.RankReport`, the request ids of finished
 loads and releases, and the blocks of failed loads).
 
 When each job runs (vLLM's step on a worker: ``handle_preemptions``, ``start_load_kv``,
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.abc import Storage, Transfer, WriteChain, WriteJob
 from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm_plan import LoadJob, RankReport, StepPlan
+from kvoffload.integrations.vllm_messages import LoadJob, RankReport, StepPlan
 from kvoffload.pools import EnginePages, HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy
 
