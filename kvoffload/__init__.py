@@ -7,6 +7,7 @@ import kvoffload._early_stop  # noqa: F401
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.lifecycle import Lifecycle, LifecycleId
+from kvoffload.core.loads import Load
 from kvoffload.core.stats import Statistics
 from kvoffload.drivers import OffloadManager, SyncOffloadManager
 from kvoffload.errors import (
@@ -28,7 +29,7 @@ from kvoffload.errors import (
     WrongThread,
 )
 from kvoffload.keys import chain_keys, namespace_seed, page_key
-from kvoffload.lifecycle import SPEC, LifecycleState, Outcome
+from kvoffload.lifecycle import SPEC, LifecycleState, LoadOutcome, LoadState, Outcome
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,9 @@ __all__ = [
     "Lifecycle",
     "LifecycleId",
     "LifecycleState",
+    "Load",
+    "LoadOutcome",
+    "LoadState",
     "ManagerClosed",
     "MissingDependency",
     "OffloadConfig",

@@ -36,6 +36,9 @@ __all__ = [
 
 TransferId = NewType("TransferId", int)
 
+#: What a :class:`Transfer` copies: device -> host (an offload chunk) or host -> device (a load).
+_DIRECTIONS = ("d2h", "h2d")
+
 #: Transfer ids, process-wide (typed as TransferId without a call per transfer).
 _transfer_ids = cast("Iterator[TransferId]", itertools.count(1))
 
@@ -57,8 +60,10 @@ class Issuer(Protocol):
 
 
 class Transfer:
-    """One chunk: a copy of whole device pages to host pages, submitted as a unit.
-    Plain data: it holds no lifecycle, so it can cross a process boundary.
+    """One copy of whole pages between device and host, submitted as a unit: an offload
+    chunk (``direction="d2h"``: device pages -> host pages) or a load's copy back
+    (``direction="h2d"``: host pages -> device pages). Plain data: it holds no
+    lifecycle, so it can cross a process boundary.
 
     Created by the core (owner thread) *after* its host pages were allocated, and
     immutable from then on except for ``completed_at`` and ``error``, which the core
@@ -67,9 +72,11 @@ class Transfer:
     core finds the issuing lifecycle by ``lifecycle_id`` (never by request id, F1).
     ``id`` is process-wide (unique among all cores of a process); ``seq`` is the job
     number tensor-parallel ranks agree on (the core's submission number).
-    Backends read ``device_pages``, ``host_pages``, ``stream`` and ``ready`` (what the
-    copy must wait for on a GPU: a ``torch.cuda.Event`` or ``Stream``, or ``None``) and
-    report ``id``; nothing else.
+    Backends read ``device_pages``, ``host_pages``, ``direction``, ``stream`` and
+    ``ready`` (what the copy must wait for on a GPU: a ``torch.cuda.Event`` or
+    ``Stream``, or ``None``) and report ``id``; nothing else. For ``"h2d"`` the issuer
+    is a load (``lifecycle_id`` is the load's id, unique among the core's live loads
+    and lifecycles) and ``keys`` are the pages' storage keys it was read from.
     """
 
     __slots__ = (
@@ -77,6 +84,7 @@ class Transfer:
         "_keys",
         "completed_at",
         "device_pages",
+        "direction",
         "error",
         "first_token",
         "host_pages",
@@ -105,6 +113,7 @@ class Transfer:
         ready: Any = None,
         owned: bool = False,
         digests: list[bytes] | None = None,
+        direction: str = "d2h",
     ) -> None:
         self.id = next(_transfer_ids)
         # The issuer's id, request id and tag, copied: no reference to the issuer is kept.
@@ -113,6 +122,11 @@ class Transfer:
         self.tag: Any = issuer.tag
         self.device_pages = device_pages
         self.host_pages = host_pages
+        # direction: "d2h" (an offload chunk: device -> host) or "h2d" (a load: host -> device).
+        # Invariant: self.direction in ("d2h", "h2d")
+        if direction not in _DIRECTIONS:
+            raise BackendError(f"Transfer direction must be 'd2h' or 'h2d', got {direction!r}")
+        self.direction = direction
         # _keys: the pages' keys (hex), or None until first read, made from _digests
         # (the core passes SHA-256 digests: hex only where a key leaves the library).
         # Invariant: self._keys is not None or self._digests is not None
@@ -149,7 +163,8 @@ class Transfer:
     def check_fits(self, device_pages: int, host_pages: int, streams: int) -> None:
         """Raise :class:`~kvoffload.BackendError` unless this transfer can be copied between
         pools of ``device_pages`` and ``host_pages`` pages on a backend with ``streams``
-        streams: page lists of equal length, every page in range, no host page named twice.
+        streams: page lists of equal length, every page in range, no host page named twice
+        (and, for ``"h2d"``, no device page: it is written).
         Backends call it in ``submit`` before starting anything, for every transfer not
         made by the core (``owned`` False): the core's own are in range by construction."""
         dev, host = self.device_pages, self.host_pages
@@ -163,6 +178,8 @@ class Transfer:
             min(host) < 0 or max(host) >= host_pages or (len(host) > 1 and len(set(host)) != len(host))
         ):
             raise BackendError(f"{self!r}: bad host pages for a pool of {host_pages}: {host}")
+        if self.direction == "h2d" and len(dev) > 1 and len(set(dev)) != len(dev):
+            raise BackendError(f"{self!r}: a host->device copy writes a device page twice: {dev}")
 
     @property
     def pages(self) -> int:
@@ -171,7 +188,8 @@ class Transfer:
 
     def __repr__(self) -> str:
         return (
-            f"<Transfer #{self.id} of lifecycle #{self.lifecycle_id} ({self.rid!r}) "
+            f"<Transfer #{self.id} {'of lifecycle' if self.direction == 'd2h' else 'h2d of load'} "
+            f"#{self.lifecycle_id} ({self.rid!r}) "
             f"tokens {self.first_token}..{self.first_token + self.n_tokens} "
             f"{len(self.device_pages)} page(s)>"
         )
@@ -234,7 +252,8 @@ class WriteJob:
 
 
 class EventBackend(abc.ABC):
-    """A mover: copies device pages to host pages and signals completion.
+    """A mover: copies device pages to host pages (and, for a load, host pages back to
+    device pages: ``Transfer.direction``) and signals completion.
 
     Where it runs: every method but the copies themselves is called on the driver's
     owner thread; the copies run on worker threads, a CUDA stream, or - for the sim
@@ -252,7 +271,9 @@ class EventBackend(abc.ABC):
     - Each submitted transfer completes exactly once, as a success or as a failure of
       that transfer only; within one stream, completions come in submission order.
     - The host pages of a successful transfer hold the bytes the device pages held when
-      it was launched (the engine writes a page before it hands it over, F17/F26).
+      it was launched (the engine writes a page before it hands it over, F17/F26); for
+      an ``"h2d"`` transfer (a load) the device pages hold the bytes its host pages
+      held (the load holds them, nobody writes them while it copies).
     - After :meth:`close`, :meth:`join` returns ``True`` only once no copy is running,
       so no buffer is freed under one; it honours its timeout.
     """

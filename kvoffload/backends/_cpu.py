@@ -24,7 +24,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Completion, Transfer
-from kvoffload.backends._threaded import CompletionInbox, CopyHooks, StreamWorker, ThreadedBackend, copy_pages
+from kvoffload.backends._threaded import (
+    CompletionInbox,
+    CopyHooks,
+    StreamWorker,
+    ThreadedBackend,
+    copy_transfer_pages,
+)
 
 if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, EnginePages, HostPool
@@ -33,8 +39,9 @@ __all__ = ["CpuBackend"]
 
 
 def copy_transfer(pairs: Sequence[tuple[Any, Any]], transfer: Transfer) -> None:
-    """Copy ``transfer``'s device pages into its host pages (blocking; any thread)."""
-    copy_pages(pairs, transfer.device_pages, transfer.host_pages)
+    """Copy ``transfer``'s pages the way its ``direction`` says: device -> host pages, or
+    host -> device pages for a load's ``"h2d"`` (blocking; any thread)."""
+    copy_transfer_pages(pairs, transfer)
 
 
 class _CopyStream(StreamWorker[Transfer]):
@@ -68,9 +75,16 @@ class _CopyStream(StreamWorker[Transfer]):
 
     def finish_batch(self, items: list[Transfer]) -> list[Completion]:
         hooks = self._hooks
-        if len(items) == 1 or hooks.before is not None or hooks.after is not None:
-            return super().finish_batch(items)  # hooks are per transfer: one at a time
+        direction = items[0].direction
+        if (
+            len(items) == 1
+            or hooks.before is not None
+            or hooks.after is not None
+            or any(t.direction != direction for t in items)
+        ):
+            return super().finish_batch(items)  # hooks are per transfer (and one way): one at a time
         merged = Transfer.__new__(Transfer)
+        merged.direction = direction
         merged.device_pages = [p for t in items for p in t.device_pages]
         merged.host_pages = [p for t in items for p in t.host_pages]  # distinct: held by each
         try:

@@ -10,7 +10,9 @@ transfer's ``ready`` (a ``torch.cuda.Event`` or ``Stream`` the engine passed wit
 2. the copy is queued on the side stream: one device->host copy per run of
    consecutive host pages; scattered device pages are first gathered on the device by
    one ``index_select`` per submission, so a submission is a few large copies into
-   pinned host pages (the host pool is pinned, so the copies are truly async);
+   pinned host pages (the host pool is pinned, so the copies are truly async). A
+   load's ``"h2d"`` transfer is the same backwards (:func:`queue_copy_h2d`): a few
+   large copies out of pinned host pages, scattered by one ``index_copy_``;
 3. one event is recorded after the copy. Events come from a pool and go back to it only
    after the waiter consumed their completion: an event is never re-recorded before.
 
@@ -225,6 +227,58 @@ def queue_copy(device: DevicePool | EnginePages, host: HostPool, transfer: Trans
     return [idx, gathered]
 
 
+def queue_copy_h2d(
+    device: DevicePool | EnginePages, host: HostPool, transfer: Transfer, dev: Any
+) -> list[Any]:
+    """Queue a load's host->device copy (``direction="h2d"``) on the current stream;
+    return the temporaries that must live until it completed.
+
+    :func:`queue_copy` backwards. Owned mode: one copy per run when the device pages of
+    every run are consecutive (up to a few runs), else the host runs are copied into one
+    device staging buffer (contiguous copies out of pinned memory: truly asynchronous)
+    and scattered into the device pages by one ``index_copy_``. Engine-owned mode: the
+    host runs are staged on the device the same way, laid out as host pages, and each
+    KV tensor takes its rows (its offset in a host page) by one ``index_copy_``. Works
+    on CPU tensors too (``dev`` a CPU device), which is how it is tested here.
+    """
+    import torch
+
+    runs = plan_runs(transfer.device_pages, transfer.host_pages)
+    cuda = getattr(dev, "type", "cpu") == "cuda"
+
+    def on_device(idx: Any) -> Any:
+        return idx.pin_memory().to(dev, non_blocking=True) if cuda else idx
+
+    def staged(rows: Any, width: Sequence[int]) -> Any:
+        stage = torch.empty((sum(r.count for r in runs), *width), dtype=rows.dtype, device=dev)
+        k = 0
+        for r in runs:
+            stage[k : k + r.count].copy_(rows[r.host_start : r.host_start + r.count], non_blocking=cuda)
+            k += r.count
+        return stage
+
+    order = [p for r in runs for p in r.device]
+    if isinstance(device, EnginePagesType):
+        src = host.tensor.view(host.n_pages, -1).view(torch.uint8)
+        stage = staged(src, (device.page_bytes,))
+        idx = on_device(torch.tensor(order, dtype=torch.long))
+        for t, off, nb in zip(device.tensors, device.offsets, device.nbytes, strict=True):
+            t.view(device.n_pages, -1).view(torch.uint8).index_copy_(0, idx, stage[:, off : off + nb])
+        return [idx, stage]
+    dst, src = device.tensor, host.tensor
+    if len(runs) <= _DIRECT_RUNS_MAX and all(r.device_start is not None for r in runs):
+        for r in runs:
+            assert r.device_start is not None
+            dst[r.device_start : r.device_start + r.count].copy_(
+                src[r.host_start : r.host_start + r.count], non_blocking=cuda
+            )
+        return []
+    stage = staged(src, tuple(src.shape[1:]))
+    idx = on_device(torch.tensor(order, dtype=torch.long))
+    dst.index_copy_(0, idx, stage)
+    return [idx, stage]
+
+
 class _EventPool:
     """Blocking-sync CUDA events; one is handed out per submission (loop thread) and
     returned by the stream after its completion was consumed (any thread)."""
@@ -313,7 +367,8 @@ class CudaBackend(ThreadedBackend[InFlight]):
         try:
             order_after(side, transfer.ready)  # F17, F26
             with torch.cuda.stream(side):
-                keep = queue_copy(self._device, self._host, transfer, self.device)
+                copy = queue_copy_h2d if transfer.direction == "h2d" else queue_copy
+                keep = copy(self._device, self._host, transfer, self.device)
                 event = self._events.get()
                 event.record(side)  # type: ignore[attr-defined]
         except Exception as e:

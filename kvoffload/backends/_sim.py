@@ -1,6 +1,7 @@
 """The deterministic simulated backend: nothing completes until a test says so.
 
-``complete(t)`` moves the bytes from ``t``'s device pages to its host pages *at that
+``complete(t)`` moves the bytes from ``t``'s device pages to its host pages (or, for
+a load's ``"h2d"`` transfer, from its host pages to its device pages) *at that
 moment*, so a device page freed (and rewritten) too early shows up as wrong data in
 the host page; ``fail(t, error)`` reports a failed copy. Completions may be signalled
 in any order. Everything runs on the owner thread; ``launch`` has nothing to start (a
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Completion, Transfer
 from kvoffload.backends._base import BackendBase
-from kvoffload.backends._threaded import CompletionInbox, copy_pages
+from kvoffload.backends._threaded import CompletionInbox, copy_transfer_pages
 from kvoffload.errors import BackendError
 
 if TYPE_CHECKING:
@@ -61,10 +62,11 @@ class SimBackend(BackendBase):
             ) from None
 
     def complete(self, transfer: Transfer) -> None:
-        """Copy ``transfer``'s device pages to its host pages now and signal success."""
+        """Copy ``transfer``'s pages now (device -> host, or host -> device for ``"h2d"``)
+        and signal success."""
         self._take(transfer)
         assert self._device is not None and self._host is not None
-        copy_pages(self._pairs, transfer.device_pages, transfer.host_pages)
+        copy_transfer_pages(self._pairs, transfer)
         self._signal((transfer.id, None))
 
     def fail(self, transfer: Transfer, error: BaseException | None = None) -> None:

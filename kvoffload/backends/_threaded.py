@@ -40,6 +40,9 @@ __all__ = [
     "Run",
     "StreamWorker",
     "ThreadedBackend",
+    "copy_pages",
+    "copy_pages_h2d",
+    "copy_transfer_pages",
     "plan_runs",
 ]
 
@@ -99,6 +102,36 @@ def copy_pages(
                 torch.index_select(src, 0, idx, out=out)
             else:  # an engine tensor's slice of a host page: gather, then one strided copy
                 out.copy_(src.index_select(0, idx))
+
+
+def copy_pages_h2d(
+    pairs: Sequence[tuple[Any, Any]], device_pages: Sequence[int], host_pages: Sequence[int]
+) -> None:
+    """Copy host pages into device pages (blocking; any thread): :func:`copy_pages`
+    backwards, over the same ``pairs`` (device row ``p`` is written from host row ``h``).
+    One block copy per run of consecutive pages on both sides, a scatter
+    (``index_copy_``) where the device pages of a run are not consecutive."""
+    import torch
+
+    runs = plan_runs(device_pages, host_pages)
+    index = [None if r.device_start is not None else torch.tensor(r.device, dtype=torch.long) for r in runs]
+    for dev, host in pairs:
+        for run, idx in zip(runs, index, strict=True):
+            src = host[run.host_start : run.host_start + run.count]
+            if idx is None:
+                assert run.device_start is not None
+                dev[run.device_start : run.device_start + run.count].copy_(src)
+            else:
+                dev.index_copy_(0, idx, src.contiguous())
+
+
+def copy_transfer_pages(pairs: Sequence[tuple[Any, Any]], transfer: Transfer) -> None:
+    """Copy ``transfer``'s pages the way its ``direction`` says (blocking; any thread):
+    device -> host for ``"d2h"``, host -> device for ``"h2d"``."""
+    if transfer.direction == "h2d":
+        copy_pages_h2d(pairs, transfer.device_pages, transfer.host_pages)
+    else:
+        copy_pages(pairs, transfer.device_pages, transfer.host_pages)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from kvoffload.lifecycle.spec import LifecycleState
 
 if TYPE_CHECKING:
     from kvoffload.core.chunks import Chunks
+    from kvoffload.core.loads import Loads
     from kvoffload.core.registry import Registry
     from kvoffload.core.rows import DecodeRows
     from kvoffload.core.step import DecodeStep
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 __all__ = ["check"]
 
 
-def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
-    """Raise :class:`InvariantViolation` listing every broken rule."""
+def check(registry: Registry, chunks: Chunks, step: DecodeStep, loads: Loads | None = None) -> None:
+    """Raise :class:`InvariantViolation` listing every broken rule (the load path's too,
+    with ``loads``)."""
     problems: list[str] = []
 
     def expect(ok: bool, what: Callable[[], str]) -> None:
@@ -165,11 +167,13 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
             expect(first > front >= 0, lambda: f"{job!r} is held but nothing before it is in flight")
     host_writes = sum(len(j.host_pages) for j in chunks.writes.jobs.values()) + held_pages
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
-    # Rule 3: host pages are held by in-flight chunks and pending writes, exactly.
+    # Rule 3: host pages are held by in-flight chunks, pending writes and live loads, exactly.
+    host_loads = _check_loads(loads, registry, expect) if loads is not None else 0
     expect(
-        chunks.host_pool.used == host_inflight + host_writes,
+        chunks.host_pool.used == host_inflight + host_writes + host_loads,
         lambda: (
-            f"host pool used {chunks.host_pool.used} != in flight {host_inflight} + in write {host_writes}"
+            f"host pool used {chunks.host_pool.used} != in flight {host_inflight} + in write "
+            f"{host_writes} + loads {host_loads}"
         ),
     )
     # Rule 6: the chunk and page ledgers.
@@ -201,6 +205,74 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep) -> None:
         problems.append(str(exc))
     if problems:
         raise InvariantViolation("; ".join(problems))
+
+
+def _check_loads(loads: Loads, registry: Registry, expect: Callable[[bool, Callable[[], str]], None]) -> int:
+    """The load path (kvoffload.core.loads): each live load's state agrees with what
+    touches its pages, no two name one device page, no lifecycle holds one for itself,
+    and the load ledger balances. Returns the host pages the live loads hold."""
+    from kvoffload.lifecycle.load_spec import LoadState
+
+    c = registry.counters
+    reading, copying, cancelling = (
+        s.value for s in (LoadState.READING, LoadState.COPYING, LoadState.CANCELLING)
+    )
+    host: list[int] = []
+    device: dict[int, int] = {}
+    inflight = 0
+    pool = registry.device_pool
+    shared = getattr(pool, "shared_count", None)
+    for lid, ld in loads.live.items():
+        s = ld._s
+        expect(lid == ld.id and s in (reading, copying, cancelling), lambda: f"{ld!r} is live in {ld.state}")
+        expect(lid not in registry.live, lambda: f"{ld!r} shares its id with a live lifecycle")
+        t = ld._transfer
+        expect(not (ld._reading and t is not None), lambda: f"{ld!r} is read and copied at once")
+        expect(s != reading or ld._reading, lambda: f"{ld!r} is READING with no read outstanding")
+        expect(s != copying or t is not None, lambda: f"{ld!r} is COPYING with no copy in flight")
+        expect(
+            s != cancelling or ld._reading or t is not None,
+            lambda: f"{ld!r} is CANCELLING with nothing to wait for (nothing would end it)",
+        )
+        n_host = len(ld.keys) if ld._reading else len(t.host_pages) if t is not None else -1
+        expect(len(ld._host) == n_host, lambda: f"{ld!r} holds {len(ld._host)} host pages, not {n_host}")
+        if t is not None:
+            inflight += len(t.device_pages)
+            expect(loads.copying.get(t.id) is ld, lambda: f"{ld!r}'s copy {t!r} is not listed in flight")
+            expect(
+                t.direction == "h2d"
+                and t.host_pages == ld._host
+                and t.device_pages == ld.device_pages[: len(t.host_pages)],
+                lambda: (
+                    f"{ld!r}'s copy {t!r} does not copy its held host pages into its leading device pages"
+                ),
+            )
+        host += ld._host
+        for p in ld.device_pages:
+            expect(
+                p not in device, lambda: f"device page {p} is named by loads #{device.get(p)} and #{ld.id}"
+            )
+            device[p] = ld.id
+            expect(
+                not pool.is_allocated(p) or (shared is not None and shared(p) > 0) or not ld.device_busy,
+                lambda: f"device page {p} of {ld!r} is held by a live lifecycle while a copy may write it",
+            )
+    expect(len(set(host)) == len(host), lambda: "a host page is held by two loads")
+    expect(device == loads.device, lambda: "the loads' device page record is out of sync")
+    expect(
+        len(loads.copying) == sum(ld._transfer is not None for ld in loads.live.values()),
+        lambda: f"{len(loads.copying)} h2d copies listed in flight, not those of the live loads",
+    )
+    expect(
+        inflight == c.load_pages_inflight,
+        lambda: f"load pages in flight {c.load_pages_inflight} != {inflight}",
+    )
+    ended = c.loads_loaded + c.loads_partial + c.loads_missed + c.loads_failed + c.loads_cancelled
+    expect(
+        c.loads_begun == len(loads.live) + ended,
+        lambda: f"loads begun {c.loads_begun} != live {len(loads.live)} + ended {ended}",
+    )
+    return len(host)
 
 
 def _check_rows(rows: DecodeRows, expect: Callable[[bool, Callable[[], str]], None]) -> None:

@@ -19,6 +19,9 @@ state, its invariants written beside it:
 - :class:`~kvoffload.core.writes.Writes`: the storage write jobs, in chain order;
 - :class:`~kvoffload.core.step.DecodeStep`: extend, extend_due, extend_batch and the
   one undo; it owns the batch rows;
+- :class:`~kvoffload.core.loads.Loads`: the load path (store -> host -> device pages):
+  live loads, their host pages and h2d copies (``load_begin``, ``load_read``,
+  ``load_cancel``, ``take_loads``: the room's own bound methods);
 - :class:`~kvoffload.core.events.Events` and the
   :class:`~kvoffload.core.watchdog.Watchdog`.
 
@@ -43,6 +46,7 @@ from kvoffload.core.chunks import Chunks
 from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, logger, refresh_debug
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
+from kvoffload.core.loads import Loads
 from kvoffload.core.registry import Registry
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
@@ -145,6 +149,9 @@ class OffloadCore:
         )
         self.step = step = DecodeStep(config, device_pool, registry, chunks, events, self)
         self.watchdog = Watchdog(registry, chunks)
+        self.loads = loads = Loads(
+            counters, host_pool, device_pool, registry, events, lambda: chunks.accept, page_bytes
+        )
         registry.detach_row = step.detach
         wait.chunks = chunks
         wait.sync_row = step.sync
@@ -163,6 +170,9 @@ class OffloadCore:
         self.extend_batch = step.extend_batch
         self.grow_one = step.grow_one
         self.grow = step.grow
+        # The load path (kvoffload.core.loads): take_loads() lists each load that reached DONE once.
+        self.load_begin, self.load_read, self.load_cancel = loads.begin, loads.read, loads.cancel
+        self.take_loads = loads.take
 
     # --- slots the driver sets ----------------------------------------------
 
@@ -346,6 +356,7 @@ class OffloadCore:
         with nothing in flight are RELEASED now (returned), the others when their last
         copy is delivered (discarded)."""
         self.registry.closing = True
+        self.loads.close()  # (cancelled: each ends when its read or copy returns; take_loads lists it)
         live = list(self.registry.live.values())
         if live:
             logger.warning("manager.closed_live", live=len(live))
@@ -360,7 +371,8 @@ class OffloadCore:
     def complete(self, batch: Sequence[Completion], now: float | None = None) -> list[Lifecycle]:
         """Apply a batch of completions (transfer id, error), in order, each to the
         lifecycle that issued it (the transfer's ``lifecycle_id``, never its request id;
-        F1). Returns the lifecycles the batch released.
+        F1). Returns the lifecycles the batch released; a load's h2d copy ends its load
+        (listed by :meth:`take_loads`).
 
         A completion that names a transfer id not in flight (delivered twice, never
         submitted: a mover's bug) raises :class:`~kvoffload.KVOffloadError` when the loop
@@ -368,7 +380,11 @@ class OffloadCore:
         and those after it are not applied (still in flight: deliver them again; the
         drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
-        self.chunks.complete(batch, self.events.clock() if now is None else now)
+        now = self.events.clock() if now is None else now
+        if self.loads.copying:
+            self.loads.complete(batch, self.chunks.complete, now)
+        else:
+            self.chunks.complete(batch, now)
         return self.registry.take_released()
 
     def take_writes(self) -> list[WriteJob]:
@@ -458,13 +474,15 @@ class OffloadCore:
             device_pages_total=self.device_pool.n_pages,
             host_pages_used=self.host_pool.used,
             host_pages_total=self.host_pool.n_pages,
+            loads_live=len(self.loads.live),
+            load_host_pages=self.loads.host_held,
             **self.counters.as_dict(),  # every counter is a Statistics field of its name
         )
 
     def check_invariants(self) -> None:
         """Raise :class:`~kvoffload.InvariantViolation` if the ledger does not balance
         (ARCHITECTURE.md rules 1-6). Tests call it after every step."""
-        ledger.check(self.registry, self.chunks, self.step)
+        ledger.check(self.registry, self.chunks, self.step, self.loads)
 
     def __repr__(self) -> str:
         return f"<OffloadCore live={len(self.registry.live)} inflight={len(self.chunks.inflight)}>"

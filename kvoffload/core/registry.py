@@ -76,6 +76,14 @@ class Registry:
         lc.tag = tag
         return lc
 
+    def take_id(self) -> int:
+        """An id for an issuer that is not a lifecycle (a load), drawn from the lifecycles'
+        own numbering: no live lifecycle or load shares it (a completion finds its issuer
+        by id, F1)."""
+        lid = self.next_id
+        self.next_id += 1
+        return lid
+
     def add(self, lc: Lifecycle) -> None:
         """Register ``lc`` (made by :meth:`new`): live, PENDING, counted as admitted."""
         self.next_id += 1

@@ -8,6 +8,8 @@ The ledger (ARCHITECTURE.md rule 6), checked by ``OffloadManager.check_invariant
   submitted: drops are counted beside the ledger, not in it.
 - ``pages_copied == pages_stored + pages_store_failed + pages_store_skipped + pages_in_write
   + pages_not_stored``
+- ``loads_begun == loads_live + loads_loaded + loads_partial + loads_missed +
+  loads_failed + loads_cancelled``
 - no count is negative.
 """
 
@@ -33,6 +35,14 @@ class Counters:
     chunks_refused: int = 0
     chunks_submitted: int = 0
     completions_delivered: int = 0
+    load_pages_inflight: int = 0
+    load_pages_missed: int = 0
+    loads_begun: int = 0
+    loads_cancelled: int = 0
+    loads_failed: int = 0
+    loads_loaded: int = 0
+    loads_missed: int = 0
+    loads_partial: int = 0
     pages_copied: int = 0
     pages_discarded: int = 0
     pages_dropped: int = 0
@@ -51,6 +61,7 @@ class Counters:
     released_completed: int = 0
     released_failed: int = 0
     stuck_reports: int = 0
+    pages_loaded: int = 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -138,6 +149,29 @@ class Statistics:
     """Pages copied while the manager had no storage tier."""
     stuck_reports: int
     """Watchdog reports of a lifecycle past ``stuck_after_s`` in OFFLOADING/FINISHING."""
+    loads_live: int
+    """Loads begun and not yet DONE (the load path: store -> host -> device pages)."""
+    load_host_pages: int
+    """Host pages the live loads hold."""
+    loads_begun: int
+    """Loads ever begun (``loads_begun == loads_live`` + every outcome below)."""
+    loads_loaded: int
+    """Loads that ended LOADED: every page asked for is in its device page."""
+    loads_partial: int
+    """Loads that ended PARTIAL: a leading run loaded, the rest missing or corrupt (F38)."""
+    loads_missed: int
+    """Loads that ended MISSED: no page read (none stored, the first corrupt, or no host pages)."""
+    loads_failed: int
+    """Loads that ended FAILED: the store read raised or the copy failed (F38)."""
+    loads_cancelled: int
+    """Loads that ended CANCELLED: the engine took the device pages back first."""
+    pages_loaded: int
+    """Pages whose bytes a load put in device pages (the sum of ``pages_loaded``)."""
+    load_pages_missed: int
+    """Pages asked for by loads that ended (not cancelled) and not loaded: the engine
+    recomputes them."""
+    load_pages_inflight: int
+    """Pages in a load's host->device copy in flight."""
 
     def as_dict(self) -> dict[str, int]:
         """The snapshot as a plain dict (for JSON and logs)."""

@@ -1,0 +1,666 @@
+"""The scheduler side of the vLLM connector, on plain data: which pages go out, which
+come back, and when vLLM may have a request's blocks back.
+
+Runs in vLLM's EngineCore process (the connector's SCHEDULER role), on the scheduler's
+thread. :class:`Planner` holds a kvoffload :class:`~kvoffload.core.offload.OffloadCore`
+with one :class:`~kvoffload.core.lifecycle.Lifecycle` per request: admitted the first
+step the request is scheduled, extended every step by the tokens whose KV that step
+computes, finished (or aborted) at ``request_finished``. It owns no KV memory: its
+device pool is a zero-memory stand-in of page ids and its host pool only counts pages;
+the workers hold the memory (:mod:`kvoffload.integrations.vllm_worker`). What the core
+decides leaves as a :class:`StepPlan` (copies, storage writes, loads, cancels, a
+preemption fence, releases: ids, page ids and keys only) in the next step's connector
+metadata; what the workers did comes back as :class:`RankReport` (per job: ranks that
+reported it, and an error as a string), and a job counts done when every rank reported
+it (:meth:`Planner.apply`). Nothing here imports vLLM: requests are read by attribute
+(``request_id``, ``all_token_ids``, ``num_computed_tokens``, ``lora_request``,
+``cache_salt``, ``mm_features``, ``prompt_embeds``), and the engine's block table is a
+callable from request id to block ids.
+
+Request ids: vLLM names each live request by a unique id, so the planner finds a
+request's record by it while the request lives (vLLM calls it by that id); the record
+is dropped at ``request_finished``. Completions never go through it: they reach the
+lifecycle that issued the copy by its id (``Transfer.lifecycle_id``), so a late
+completion of a finished request can never touch a new request that reuses its id (F1).
+
+Device page ids (why the core does not see vLLM's block ids as they are): vLLM's prefix
+cache shares a running request's blocks with a new request that hits its prefix, and a
+preemption frees a request's blocks and may hand them to another request in the same
+step, before the preempted request's last copies are delivered. kvoffload's page record
+refuses both (a page one live lifecycle may copy is never another's). So the core sees
+stand-in ids: each page a lifecycle may copy gets a fresh one (mapped to its vLLM block
+id, translated back in every copy job), and the pages of its stored prefix (never
+copied) share one run of ids. What keeps vLLM's real blocks safe is vLLM's own hold on
+them, kept exactly as long as a copy reads them: a running request's blocks are its
+own; a finished request's are held by ``request_finished`` returning ``True`` until its
+lifecycle is RELEASED; a preempted request's in-flight copies are waited for by every
+worker before the step's forward may overwrite the blocks (:attr:`StepPlan.flush`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload.abc import Transfer, TransferId
+from kvoffload.config import OffloadConfig
+from kvoffload.core.events import logger
+from kvoffload.core.lifecycle import Lifecycle
+from kvoffload.core.loads import Load
+from kvoffload.core.offload import OffloadCore
+from kvoffload.errors import BackendError, ConfigError, KVOffloadError, StorageError
+from kvoffload.integrations.vllm_keys import page_keys, refusal, request_seed
+from kvoffload.lifecycle.load_spec import LoadOutcome
+from kvoffload.lifecycle.spec import LifecycleState
+from kvoffload.pools import EnginePages, HostPool
+
+__all__ = [
+    "SETTING_KEYS",
+    "CopyJob",
+    "LoadJob",
+    "Planner",
+    "RankReport",
+    "Settings",
+    "StepPlan",
+    "WriteOrder",
+]
+
+_RELEASED = LifecycleState.RELEASED
+
+
+# --- what travels between the scheduler and the workers (plain, picklable) -------------
+
+
+@dataclass(slots=True)
+class CopyJob:
+    """A device -> host copy of whole pages (a core :class:`~kvoffload.abc.Transfer`):
+    vLLM block ids, host page ids, the pages' keys. A worker copies it after the step's
+    forward wrote the blocks (``wait_for_save``), never before (F19)."""
+
+    id: int
+    device_pages: list[int]
+    host_pages: list[int]
+    keys: list[str]
+    lifecycle_id: int
+    first_token: int
+
+
+@dataclass(slots=True)
+class WriteOrder:
+    """Host pages a finished copy filled, to be written to the store under ``keys``
+    (a core :class:`~kvoffload.abc.WriteJob`)."""
+
+    id: int
+    host_pages: list[int]
+    keys: list[str]
+    lifecycle_id: int
+    first_token: int
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Pages to read from the store (``keys``) into host pages and copy into vLLM's
+    blocks ``device_pages`` (one fused job on each worker). ``req_id`` is what the
+    worker reports in ``finished_recving`` once no copy of it writes a block."""
+
+    id: int
+    req_id: str
+    keys: list[str]
+    device_pages: list[int]
+    host_pages: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The connector metadata of one step, from the scheduler to every worker.
+
+    ``flush``: copy ids a worker must see finished before this step's forward (their
+    request was preempted: its blocks may be reused by this step). ``cancels``: load ids
+    whose request was aborted (skip what has not been copied yet). ``release``: request
+    ids whose last copy is delivered: each worker reports them in ``finished_sending``
+    this step, and vLLM frees their blocks."""
+
+    copies: list[CopyJob] = field(default_factory=list)
+    writes: list[WriteOrder] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)
+    flush: list[int] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.writes or self.loads or self.cancels or self.flush or self.release)
+
+
+@dataclass(slots=True)
+class RankReport:
+    """What one or more workers did since their last report (plain data).
+
+    ``copies[id] = (ranks, error)``, ``writes[id] = (ranks, stored, error)``,
+    ``loads[id] = (ranks, pages_loaded, error)``: ``ranks`` counts the workers that
+    reported the job (1 from one worker; :meth:`merge` adds them up), ``error`` is the
+    first failure's text or ``None``, ``stored`` holds only if every rank stored its
+    shard, ``pages_loaded`` is the fewest leading pages any rank loaded."""
+
+    copies: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+    writes: dict[int, tuple[int, bool, str | None]] = field(default_factory=dict)
+    loads: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
+
+    def merge(self, other: RankReport) -> RankReport:
+        """Both reports as one (vLLM aggregates its workers' outputs this way)."""
+        copies = dict(self.copies)
+        for k, (n, e) in other.copies.items():
+            m, f = copies.get(k, (0, None))
+            copies[k] = (m + n, f if f is not None else e)
+        writes = dict(self.writes)
+        for k, (n, s, e) in other.writes.items():
+            if k in writes:
+                m, t, f = writes[k]
+                writes[k] = (m + n, t and s, f if f is not None else e)
+            else:
+                writes[k] = (n, s, e)
+        loads = dict(self.loads)
+        for k, (n, p, e) in other.loads.items():
+            if k in loads:
+                m, q, f = loads[k]
+                loads[k] = (m + n, min(p, q), f if f is not None else e)
+            else:
+                loads[k] = (n, p, e)
+        return RankReport(copies, writes, loads)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies or self.writes or self.loads)
+
+
+# --- the connector's settings (kv_connector_extra_config) ----------------------------
+
+#: The keys of ``kv_connector_extra_config`` the connector reads (all optional but
+#: ``storage``); anything else is refused, so a typo is an error, not a silent default.
+SETTING_KEYS = (
+    "storage",
+    "namespace",
+    "host_pages",
+    "stride",
+    "lookup_timeout_s",
+    "io_timeout_s",
+    "tp_keys",
+    "on_load_error",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """``kv_connector_extra_config``, checked (:meth:`from_extra`)."""
+
+    storage: Any
+    """Where pages go: a directory (``"kv-store/"``, ``file://...``), a ``redis://`` URL,
+    ``"memory"`` (this process only: a test's), or a :class:`~kvoffload.abc.Storage`."""
+    namespace: str | None = None
+    """The deployment's namespace (model, tenant): seeds every key (F22)."""
+    host_pages: int | None = None
+    """Host staging pages per worker, for stores and loads (default: a quarter of
+    vLLM's blocks, at least 64, at most 4096)."""
+    stride: int | None = None
+    """Tokens per copy while decoding, a multiple of the block size (default one block)."""
+    lookup_timeout_s: float = 5.0
+    """The most one store lookup (``get_num_new_matched_tokens``) waits: then a miss."""
+    io_timeout_s: float = 30.0
+    """The most one load's read, or the preemption fence, waits."""
+    tp_keys: str = "rank"
+    """Under tensor parallelism each rank stores its shard under its own keys."""
+    on_load_error: str = "recompute"
+    """``"recompute"``: the connector sets vLLM's ``kv_load_failure_policy`` to
+    ``"recompute"``, so a failed load costs recompute (F38); ``"fail"``: vLLM's policy
+    as configured (its default fails the request)."""
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> Settings:
+        """The settings of ``kv_connector_extra_config`` (a mapping); raises
+        :class:`~kvoffload.ConfigError` naming a missing, unknown or bad key."""
+        if not isinstance(extra, dict):
+            raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
+        unknown = sorted(set(extra) - set(SETTING_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {list(SETTING_KEYS)}"
+            )
+        if extra.get("storage") in (None, ""):
+            raise ConfigError(
+                'KVOffloadConnector needs kv_connector_extra_config={"storage": <a directory or URL>, ...}'
+            )
+        ns = extra.get("namespace")
+        if ns is not None and (not isinstance(ns, str) or not ns):
+            raise ConfigError(f"namespace must be a non-empty str or None, got {ns!r}")
+        for key in ("host_pages", "stride"):
+            v = extra.get(key)
+            if v is not None and (type(v) is not int or v <= 0):
+                raise ConfigError(f"{key} must be a positive int or None, got {v!r}")
+        for key in ("lookup_timeout_s", "io_timeout_s"):
+            v = extra.get(key, 5.0)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                raise ConfigError(f"{key} must be a finite number > 0 (nothing waits for ever), got {v!r}")
+        if extra.get("tp_keys", "rank") != "rank":
+            raise ConfigError(
+                f"tp_keys must be 'rank' (each rank stores its own shard), got {extra['tp_keys']!r}"
+            )
+        if extra.get("on_load_error", "recompute") not in ("recompute", "fail"):
+            raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {extra['on_load_error']!r}")
+        return cls(**{k: extra[k] for k in SETTING_KEYS if k in extra})
+
+    def host_pages_for(self, num_blocks: int) -> int:
+        """Host pages for stores, given vLLM's number of blocks."""
+        return self.host_pages if self.host_pages is not None else max(64, min(4096, num_blocks // 4))
+
+
+# --- the scheduler's records ---------------------------------------------------------
+
+
+class _Request:
+    """The planner's record of one live vLLM request (see the module doc)."""
+
+    __slots__ = ("lc", "load", "local", "off", "request", "seed")
+
+    def __init__(self, request: Any, seed: str | None, off: bool) -> None:
+        self.request = request
+        self.seed = seed
+        # local: the engine's own prefix hit the last lookup was asked beyond.
+        self.local = 0
+        # lc: the request's lifecycle while it is scheduled; None before its first
+        # step and after a preemption (a new one is admitted when it runs again).
+        self.lc: Lifecycle | None = None
+        # load: its load from the store (the core's Load) until DONE.
+        self.load: Load | None = None
+        # off: nothing of this request is stored (refused, or its offload failed).
+        self.off = off
+
+
+class Planner:
+    """The scheduler side (see the module doc). One thread (the scheduler's).
+
+    ``Planner(block_size=, num_blocks=, host_pages=, lookup=)``: ``lookup(keys)`` says
+    how many leading keys the store has (the connector's bounded, side-effect free
+    store query; it may raise, which counts as none). ``world_size``: the workers that
+    must report a job before it counts done. ``stride``: tokens per copy while decoding
+    (a multiple of ``block_size``; default one block); the host pages are shared by
+    stores and loads. ``max_blocks``: most blocks one request can have (vLLM's
+    ``max_model_len`` in blocks).
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        host_pages: int,
+        lookup: Callable[[list[str]], int],
+        world_size: int = 1,
+        stride: int | None = None,
+        namespace: str | None = None,
+        max_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        import torch
+
+        if type(world_size) is not int or world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+        self.block_size = block_size
+        self.world_size = world_size
+        self.namespace = namespace
+        self.lookup = lookup
+        self.config = OffloadConfig(
+            page_size=block_size,
+            stride=block_size if stride is None else stride,
+            device_pages=None,
+            host_pages=host_pages,
+            offload_prompt=True,
+        )
+        max_blocks = num_blocks if max_blocks is None else max(1, max_blocks)
+        # Stand-in page ids (module doc): [0, n_own) for pages a lifecycle may copy,
+        # [n_own, n_own + max_blocks) for stored prefixes (shared, never copied).
+        self._n_own = 2 * num_blocks + 64
+        self._prefix_base = self._n_own
+        meta = torch.empty((self._n_own + max_blocks, block_size, 1), dtype=torch.uint8, device="meta")
+        host = HostPool.new(host_pages, (1,), "uint8", buffer=torch.empty(0, device="meta"))
+        self.core = OffloadCore(
+            self.config,
+            device_pool=EnginePages([meta], block_size),
+            host_pool=host,
+            accept=self._accept,
+            storage=True,
+        )
+        self.core.refresh_observed()
+        # _free_ids: stand-in ids no live lifecycle holds; _block_of[v]: the vLLM block of id v.
+        # Invariant: not (set(self._free_ids) & set(self._block_of))
+        self._free_ids: list[int] = list(range(self._n_own - 1, -1, -1))
+        self._block_of: dict[int, int] = {}
+        # _requests: live vLLM requests by their id (module doc: lookups only, never routing).
+        self._requests: dict[str, _Request] = {}
+        # _held: lifecycle id -> request id, for the finished requests whose blocks vLLM
+        #   holds because request_finished returned True; reported in `release` at RELEASED.
+        self._held: dict[int, str] = {}
+        # _loads: loads whose workers have not all reported, by load id (the core's Load).
+        self._loads: dict[int, Load] = {}
+        # _h2d: the h2d copies the core just submitted for loads whose read returned:
+        #   the workers did them already (read and copy are one job there).
+        self._h2d: list[TransferId] = []
+        # _refused_loads: ids (below 0) of the loads the core refused (reported, never begun).
+        self._refused_loads = 0
+        # _copy_of: in-flight copy id -> lifecycle id (for the preemption fence).
+        self._copy_of: dict[int, int] = {}
+        # _counts: ranks that reported each job so far, until world_size did.
+        self._copy_counts: dict[int, tuple[int, str | None]] = {}
+        self._write_counts: dict[int, tuple[int, bool, str | None]] = {}
+        self._load_counts: dict[int, tuple[int, int, str | None]] = {}
+        self._plan = StepPlan()
+        self._refused_logged = False
+        self.clock = clock
+
+    # --- the core's sink ---------------------------------------------------------------
+
+    def _accept(self, t: Transfer) -> None:
+        """Each copy the core makes due goes into the next step's plan, its stand-in ids
+        translated to vLLM's blocks (a KeyError here would be a bug: nothing changes)."""
+        if t.direction == "h2d":  # a load's copy: the workers did it with the read
+            self._h2d.append(t.id)
+            return
+        blocks = [self._block_of[v] for v in t.device_pages]
+        self._plan.copies.append(
+            CopyJob(t.id, blocks, list(t.host_pages), t.keys, t.lifecycle_id, t.first_token)
+        )
+        self._copy_of[t.id] = t.lifecycle_id
+
+    def _ids(self, blocks: Sequence[int]) -> list[int]:
+        """Fresh stand-in ids for ``blocks`` (raises KVOffloadError with none taken)."""
+        if len(blocks) > len(self._free_ids):
+            raise KVOffloadError(f"no stand-in page ids left for {len(blocks)} block(s)")
+        out = [self._free_ids.pop() for _ in blocks]
+        for v, b in zip(out, blocks, strict=True):
+            self._block_of[v] = b
+        return out
+
+    def _released(self, lcs: list[Lifecycle]) -> None:
+        """Lifecycles the core released: their stand-in ids return, and a held finished
+        request is released to vLLM in the next plan."""
+        try:
+            for lc in lcs:
+                for v in lc.device_pages:
+                    if self._block_of.pop(v, None) is not None:
+                        self._free_ids.append(v)
+                rid = self._held.pop(lc.id, None)
+                if rid is not None:
+                    self._plan.release.append(rid)
+        finally:
+            self.core.told(lcs)
+
+    # --- loads (point 3) -----------------------------------------------------------------
+
+    def _record(self, request: Any) -> _Request:
+        rid = request.request_id
+        rec = self._requests.get(rid)
+        if rec is None:
+            why = refusal(request)
+            if why is not None and not self._refused_logged:
+                self._refused_logged = True
+                logger.warning("vllm.request_refused", rid=rid, reason=why)
+            seed = None if why else request_seed(self.namespace, request)
+            rec = self._requests[rid] = _Request(request, seed, why is not None)
+        return rec
+
+    def add(self, request: Any) -> None:
+        """``on_new_request``: start the request's record (its seed, or its refusal)."""
+        self._record(request)
+
+    def matched(self, request: Any, num_computed: int) -> int:
+        """``get_num_new_matched_tokens``: how many tokens beyond ``num_computed`` (the
+        engine's own block-aligned prefix hit) the store has in whole blocks, never the
+        request's last token (vLLM computes it to sample the next). Asks the store;
+        changes nothing else; a store error counts as 0 (logged)."""
+        rec = self._record(request)
+        if rec.off or rec.load is not None or rec.lc is not None:
+            return 0
+        bs = self.block_size
+        rec.local = num_computed
+        tokens = request.all_token_ids
+        n_pages = (len(tokens) - 1) // bs
+        first = num_computed // bs
+        if n_pages <= first:
+            return 0
+        n_pages = min(n_pages, first + self.core.host_pool.free_pages)
+        keys = page_keys(rec.seed, tokens, bs, n_pages)
+        try:
+            hit = int(self.lookup(keys))
+        except Exception as exc:  # a store that fails or times out: a miss, never an error
+            logger.warning("vllm.lookup_failed", rid=request.request_id, error=repr(exc))
+            return 0
+        return max(0, min(hit, n_pages) - first) * bs
+
+    def start_load(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+        """``update_state_after_alloc``: load the ``num_external`` tokens after the
+        engine's own prefix hit (the one :meth:`matched` was last asked beyond) into the
+        blocks vLLM allocated for them (``block_ids``: the request's whole block table).
+        The job leaves in the next plan; the request's id comes back in
+        ``finished_recving`` once every worker finished it."""
+        if num_external <= 0:
+            return
+        rec = self._record(request)
+        bs = self.block_size
+        first, n = rec.local // bs, num_external // bs
+        keys = page_keys(rec.seed, request.all_token_ids, bs, first + n)[first:]
+        blocks = list(block_ids[first : first + n])
+        try:
+            ids = self._ids(blocks)
+            try:
+                load = self.core.load_begin(request.request_id, keys, ids, tag=ids, first_page=first)
+            except BaseException:
+                self._forget(ids)
+                raise
+        except KVOffloadError as exc:  # never into vLLM: the workers still report it, every block an error
+            logger.warning("vllm.load_refused", rid=request.request_id, error=repr(exc))
+            self._refused_loads -= 1
+            self._plan.loads.append(LoadJob(self._refused_loads, request.request_id, keys, blocks, []))
+            return
+        # A load the core ended at once (no host pages: MISSED) still goes to the
+        # workers, with no host pages: they report the request (and its blocks as
+        # load errors), which vLLM waits for.
+        rec.load = self._loads[load.id] = load
+        self._plan.loads.append(LoadJob(load.id, request.request_id, keys, blocks, load.host_pages))
+
+    def _load_done(self, load: Load, pages: int, error: str | None) -> None:
+        """Every worker reported ``load``: the read's result goes to the core (which
+        submits the h2d copy the workers already did, completed here at once)."""
+        del self._loads[load.id]
+        if not load.done:
+            err = None if error is None else StorageError(error)
+            self.core.load_read(load, min(pages, len(load.keys)), err)
+            done, self._h2d = self._h2d, []
+            if done:
+                self._released(self.core.complete([(tid, None) for tid in done]))
+        for ld in self.core.take_loads():
+            self._forget([v for v in ld.tag if v in self._block_of])
+            if ld.outcome is not LoadOutcome.LOADED:
+                logger.warning(
+                    "vllm.load_incomplete",
+                    rid=ld.rid,
+                    pages=len(ld.keys),
+                    loaded=ld.pages_loaded,
+                    reason=ld.reason,
+                )
+        rec = self._requests.get(load.rid)
+        if rec is not None and rec.load is load:
+            rec.load = None
+
+    # --- the step (points 1 and 2) ----------------------------------------------------
+
+    def step(
+        self,
+        scheduled: Iterable[tuple[str, int]],
+        block_ids: Callable[[str], Sequence[int]],
+        preempted: Iterable[str] = (),
+    ) -> StepPlan:
+        """``build_connector_meta``: ``scheduled`` is each scheduled request with its
+        number of scheduled tokens; ``block_ids(request_id)`` its block table now;
+        ``preempted`` the ids vLLM preempted this step. Each scheduled request's
+        lifecycle is admitted or extended by the tokens whose KV this step computes (and
+        whose ids are known), so its newly full blocks go out while it decodes; a
+        preempted request's lifecycle is aborted and its in-flight copies fenced.
+        Returns the plan for the workers (and starts a new one)."""
+        for rid in preempted:
+            rec = self._requests.get(rid)
+            if rec is not None and rec.lc is not None:
+                lc, rec.lc = rec.lc, None
+                self._plan.flush += [tid for tid, lid in self._copy_of.items() if lid == lc.id]
+                if not lc.released and not lc.aborted:
+                    self._released(self.core.abort(lc))
+        for rid, n in scheduled:
+            rec = self._requests.get(rid)
+            if rec is None or rec.off:
+                continue
+            request = rec.request
+            try:
+                self._advance(rec, request, n, block_ids)
+            except KVOffloadError as exc:  # this request only (F32): it is no longer stored
+                # rec.lc stays: its copies in flight still read the blocks (held at finish)
+                rec.off = True
+                logger.warning("vllm.offload_stopped", rid=request.request_id, error=repr(exc))
+                live = rec.lc
+                if live is not None and not live.released and not live.aborted:
+                    self._released(self.core.abort(live))
+        for job in self.core.take_writes():
+            self._plan.writes.append(
+                WriteOrder(job.id, job.host_pages, job.keys, job.lifecycle_id, job.first_token)
+            )
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def _advance(
+        self, rec: _Request, request: Any, n: int, block_ids: Callable[[str], Sequence[int]]
+    ) -> None:
+        bs = self.block_size
+        tokens = request.all_token_ids
+        upto = min(request.num_computed_tokens + n, len(tokens))
+        lc = rec.lc
+        if lc is None:
+            if upto <= 0:
+                return
+            blocks = list(block_ids(request.request_id))[: -(-upto // bs)]
+            stored = min(request.num_computed_tokens - request.num_computed_tokens % bs, upto - upto % bs)
+            shared = stored // bs
+            ids = list(range(self._prefix_base, self._prefix_base + shared)) + self._ids(blocks[shared:])
+            try:
+                rec.lc = self.core.admit(
+                    request.request_id, list(tokens[:upto]), pages=ids, chain_seed=rec.seed, stored=stored
+                )
+            except BaseException:
+                self._forget(ids[shared:])
+                raise
+            return
+        have = lc.committed
+        if upto <= have:
+            return
+        held = len(lc.device_pages)
+        need = -(-upto // bs) - held
+        new: list[int] = []
+        if need > 0:
+            new = self._ids(list(block_ids(request.request_id))[held : held + need])
+        try:
+            self.core.extend(lc, list(tokens[have:upto]), pages=new)
+        except BaseException:
+            self._forget(new)
+            raise
+
+    def _forget(self, ids: list[int]) -> None:
+        for v in ids:
+            del self._block_of[v]
+            self._free_ids.append(v)
+
+    # --- the end of a request --------------------------------------------------------------
+
+    def finished(self, request: Any, aborted: bool) -> bool:
+        """``request_finished``: the request's lifecycle finishes (its page-aligned tail
+        goes out, F12) or, when ``aborted``, aborts; a load in progress is cancelled.
+        Returns whether vLLM must keep the request's blocks until its id comes back in
+        ``finished_sending``: exactly while a copy still reads them (delay-free: the
+        lifecycle is not RELEASED). A loading request returns False (vLLM holds its
+        blocks until ``finished_recving``)."""
+        rec = self._requests.pop(request.request_id, None)
+        if rec is None:
+            return False
+        if rec.load is not None:
+            load, rec.load = rec.load, None
+            if not load.done:
+                self.core.load_cancel(load)
+                self._plan.cancels.append(load.id)
+        lc, rec.lc = rec.lc, None
+        if lc is None or lc.released:
+            return False
+        try:
+            if lc.aborted:
+                pass
+            elif aborted:
+                self._released(self.core.abort(lc))
+            else:
+                self._released(self.core.finish(lc))
+        except KVOffloadError as exc:  # the tail's refusal: abort instead (its copies still fenced)
+            logger.warning("vllm.finish_failed", rid=request.request_id, error=repr(exc))
+            if not lc.released and not lc.aborted:
+                self._released(self.core.abort(lc))
+        if lc.state is _RELEASED:
+            return False
+        self._held[lc.id] = request.request_id
+        return True
+
+    # --- what the workers report ---------------------------------------------------------
+
+    def apply(self, report: RankReport) -> None:
+        """``update_connector_output``: count each job's ranks; a job every rank reported
+        is delivered to the core (copies, writes) or finishes its load."""
+        ws = self.world_size
+        done: list[tuple[Any, BaseException | None]] = []
+        for tid, (n, err) in report.copies.items():
+            m, e = self._copy_counts.pop(tid, (0, None))
+            m, e = m + n, e if e is not None else err
+            if m < ws:
+                self._copy_counts[tid] = (m, e)
+                continue
+            if self._copy_of.pop(tid, None) is not None and tid in self.core.inflight:
+                done.append((tid, None if e is None else BackendError(e)))
+        if done:
+            self._released(self.core.complete(done))
+        for jid, (n, stored, err) in report.writes.items():
+            m, s, e = self._write_counts.pop(jid, (0, True, None))
+            m, s, e = m + n, s and stored, e if e is not None else err
+            if m < ws:
+                self._write_counts[jid] = (m, s, e)
+                continue
+            if jid in self.core.writes:
+                self._released(self.core.write_done(jid, s, error=None if e is None else StorageError(e)))
+        for lid, (n, pages, err) in report.loads.items():
+            m, p, e = self._load_counts.pop(lid, (0, pages, None))
+            m, p, e = m + n, min(p, pages), e if e is not None else err
+            if m < ws:
+                self._load_counts[lid] = (m, p, e)
+                continue
+            load = self._loads.get(lid)
+            if load is not None:
+                self._load_done(load, p, e)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """Whether work is left that needs more engine steps (copies, writes, loads,
+        held requests, or a plan not sent yet): vLLM's ``has_pending_push_work``."""
+        return bool(self.core.busy or self._loads or self._held or self._plan or self._copy_of)
+
+    def lifecycle(self, request_id: str) -> Lifecycle | None:
+        """The live request's current lifecycle (for tests and statistics)."""
+        rec = self._requests.get(request_id)
+        return None if rec is None else rec.lc
+
+    def check_invariants(self) -> None:
+        """The core's ledger, and the stand-in ids: each either free or mapped, never both."""
+        self.core.check_invariants()
+        assert not (set(self._free_ids) & set(self._block_of)), "a stand-in id both free and mapped"
+        assert len(self._free_ids) + len(self._block_of) == self._n_own, "a stand-in id lost"

@@ -1,0 +1,394 @@
+"""The worker side of the vLLM connector: the movers over vLLM's KV tensors.
+
+Runs in each vLLM worker process (the connector's WORKER role, one per rank), on the
+model runner's thread; copies and storage I/O run on threads of their own. A
+:class:`Mover` holds vLLM's per-layer KV tensors seen as kvoffload engine pages (one
+page = one vLLM block, every layer), the real host pool, a kvoffload copy backend
+(:class:`~kvoffload.backends.CpuBackend` for a CPU engine), the storage writer
+(:class:`~kvoffload.storage.writer.ThreadWriter`, whose event loop also serves the
+loads' reads) and one load thread. It does what the scheduler's
+:class:`~kvoffload.integrations.vllm_plan.StepPlan` says and reports back plain data
+(:class:`~kvoffload.integrations.vllm_plan.RankReport`, the request ids of finished
+loads and releases, and the blocks of failed loads).
+
+When each job runs (vLLM's step on a worker: ``handle_preemptions``, ``start_load_kv``,
+the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+``build_connector_worker_meta``):
+
+- the preemption fence (:meth:`Mover.fence`, from ``handle_preemptions``, before the
+  forward): wait until the listed copies finished, so none reads a block after this
+  step reuses it;
+- storage writes and loads start at ``start_load_kv``: a write reads host pages only;
+  a load reads the store into host pages, then copies them into the request's blocks
+  (one fused job on the load thread: no scheduler round trip between the read and the
+  copy). A cancelled load copies nothing that was not copied yet;
+- copies of blocks start at ``wait_for_save`` (:meth:`Mover.save`), after the step's
+  forward wrote them, never before (F19).
+
+A load reports how many leading pages it loaded; the blocks of the others are
+reported as load errors so vLLM recomputes them (F38): a missing page, a page whose
+checksum does not match (the store reads it as missing), a store that fails or times
+out. Never wrong KV.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from kvoffload.abc import Storage, Transfer, WriteChain, WriteJob
+from kvoffload.core.events import logger
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm_plan import LoadJob, RankReport, StepPlan
+from kvoffload.pools import EnginePages, HostPool
+from kvoffload.storage.writer import ThreadWriter, WritePolicy
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload.abc import EventBackend
+
+__all__ = ["Mover", "block_tensors", "copy_h2d", "open_store", "rank_stores"]
+
+#: Most write chains (one per request being stored) a worker remembers.
+_CHAINS = 4096
+
+
+def block_tensors(kv: torch.Tensor, num_blocks: int, block_size: int, name: str = "kv") -> list[torch.Tensor]:
+    """One layer's KV tensor as kvoffload engine-page tensors ``(num_blocks,
+    block_size, -1)`` whose row ``b`` is all of block ``b``'s bytes.
+
+    Accepted: a tensor whose first dimension is the blocks and whose blocks are each
+    contiguous (vLLM's CPU attention, ``(num_blocks, kv_heads, block_size, 2 *
+    head_size)``; a ``(num_blocks, block_size, ...)`` layout), or one whose first
+    dimension holds K and V (``(2, num_blocks, ...)``, FlashAttention's): two tensors.
+    Raises :class:`~kvoffload.ConfigError` for any other layout, naming it."""
+    shape = tuple(kv.shape)
+    if kv.dim() >= 2 and shape[0] == num_blocks and kv.is_contiguous():
+        return [kv.view(num_blocks, block_size, -1)]
+    if kv.dim() >= 3 and shape[0] == 2 and shape[1] == num_blocks and kv[0].is_contiguous():
+        return [kv[0].view(num_blocks, block_size, -1), kv[1].view(num_blocks, block_size, -1)]
+    raise ConfigError(
+        f"KVOffloadConnector: layer {name} has a KV tensor of shape {shape} (strides {kv.stride()}); "
+        f"supported: contiguous (num_blocks={num_blocks}, ...) or (2, num_blocks, ...) with contiguous blocks"
+    )
+
+
+def open_store(storage: Any) -> Storage:
+    """The store ``storage`` names (a directory, a URL, ``"memory"``, or an instance),
+    through kvoffload's opener; raises :class:`~kvoffload.ConfigError` for none."""
+    from kvoffload.storage import resolve_storage
+
+    store = resolve_storage(storage)
+    if store is None:
+        raise ConfigError("KVOffloadConnector needs a storage")
+    return store
+
+
+def rank_stores(store: Storage, size: int) -> list[Storage]:
+    """The store as each of ``size`` tensor-parallel ranks sees it (``tp_keys="rank"``:
+    its shard of a page under the page key suffixed ``_<rank>_<size>``, as the other
+    stores do); the store itself with one rank."""
+    from kvoffload.storage.rank_keys import RankKeys
+
+    if size <= 1:
+        return [store]
+    return [RankKeys(store, r, size) for r in range(size)]
+
+
+def copy_h2d(
+    device: EnginePages, host: HostPool, device_pages: Sequence[int], host_pages: Sequence[int]
+) -> None:
+    """Copy host pages ``host_pages[i]`` into engine pages ``device_pages[i]`` (every
+    tensor's slice; blocking, any thread)."""
+    import torch
+
+    if not device_pages:
+        return
+    didx = torch.tensor(list(device_pages), dtype=torch.long)
+    hidx = torch.tensor(list(host_pages), dtype=torch.long)
+    for dev, hst in device.copy_pairs(host):
+        src = hst.index_select(0, hidx)
+        if src.device != dev.device:
+            src = src.to(dev.device)
+        dev.index_copy_(0, didx.to(dev.device), src)
+    if device.device.type == "cuda":
+        torch.cuda.current_stream(device.device).synchronize()
+
+
+def _writable_pages(pool: HostPool, pages: Sequence[int]) -> list[memoryview]:
+    """A writable byte view of each page of ``pool`` (a contiguous CPU tensor)."""
+    raw: Any = pool.tensor.view(-1).view(__import__("torch").uint8).numpy()
+    flat = memoryview(raw)
+    size = flat.nbytes // pool.n_pages
+    return [flat[p * size : (p + 1) * size] for p in pages]
+
+
+class Mover:
+    """One rank's movers (see the module doc). ``Mover(kv, block_size=, host_pages=,
+    storage=)``: ``kv`` are the engine-page tensors of every layer (:func:`block_tensors`);
+    ``storage`` the store, already seen through this rank's keys; the host pool is
+    shared by stores and loads (the scheduler's core hands its pages out);
+    ``io_timeout_s``: the most one store read or one fence waits."""
+
+    def __init__(
+        self,
+        kv: Sequence[torch.Tensor],
+        *,
+        block_size: int,
+        host_pages: int,
+        storage: Storage | None,
+        policy: WritePolicy | None = None,
+        io_timeout_s: float = 30.0,
+        backend: EventBackend | None = None,
+    ) -> None:
+        from kvoffload.backends import resolve_backend
+
+        self.block_size = block_size
+        self.device = EnginePages(list(kv), block_size)
+        nb = self.device.page_bytes
+        self.host = HostPool.new(host_pages, (nb,), "uint8")
+        self.io_timeout_s = io_timeout_s
+        if backend is None:
+            backend = resolve_backend("cuda" if self.device.device.type == "cuda" else "cpu")
+        self.backend = backend
+        backend.open(self.device, self.host)
+        self.storage = storage
+        self.writer: ThreadWriter | None = None
+        if storage is not None:
+            self.writer = ThreadWriter(storage, self.host, policy or WritePolicy())
+            self.writer.start()
+        # _copies: backend transfer id -> the scheduler's copy id, while in flight here.
+        self._copies: dict[int, int] = {}
+        # _chains: lifecycle id -> its write chain (F33), the newest _CHAINS.
+        self._chains: OrderedDict[int, WriteChain] = OrderedDict()
+        self._report = RankReport()
+        self._fenced: StepPlan | None = None
+        self._started: StepPlan | None = None
+        # Loads: the thread posts (job, pages, error) to _loaded under _lock;
+        # _cancelled holds the ids whose copy must not start.
+        self._lock = threading.Lock()
+        self._load_done = threading.Condition(self._lock)
+        self._loaded: deque[tuple[LoadJob, int, str | None]] = deque()
+        self._cancelled: set[int] = set()
+        self._loads_running: dict[int, LoadJob] = {}
+        self._recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
+        self._closed = False
+
+    # --- a step's jobs ------------------------------------------------------------------
+
+    def fence(self, plan: StepPlan) -> None:
+        """Before the forward: wait (at most ``io_timeout_s``) until the copies
+        ``plan.flush`` names finished here, so none reads a block this step reuses."""
+        if self._fenced is plan:
+            return
+        self._fenced = plan
+        wanted = {local for local, job in self._copies.items() if job in set(plan.flush)}
+        if not wanted:
+            return
+        import time
+
+        deadline = time.monotonic() + self.io_timeout_s
+        while wanted:
+            for local in self._take_copies():
+                wanted.discard(local)
+            if not wanted:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.backend.wait_ready(left):
+                logger.error("vllm.fence_timeout", copies=len(wanted), timeout_s=self.io_timeout_s)
+                return
+
+    def start(self, plan: StepPlan) -> None:
+        """``start_load_kv``: the fence (when ``handle_preemptions`` did not run), the
+        plan's storage writes, cancels and loads."""
+        if self._started is plan:
+            return
+        self._started = plan
+        self.fence(plan)
+        if plan.cancels:
+            with self._lock:
+                self._cancelled.update(plan.cancels)
+        if plan.writes:
+            jobs = []
+            for w in plan.writes:
+                chain = self._chains.get(w.lifecycle_id)
+                if chain is None:
+                    chain = self._chains[w.lifecycle_id] = WriteChain()
+                    while len(self._chains) > _CHAINS:
+                        self._chains.popitem(last=False)
+                jobs.append(
+                    WriteJob(
+                        w.id,
+                        w.keys,
+                        w.host_pages,
+                        w.lifecycle_id,
+                        None,
+                        chain=chain,
+                        first_token=w.first_token,
+                    )
+                )
+            if self.writer is None:
+                for w in plan.writes:
+                    self._report.writes[w.id] = (1, False, "no storage")
+            else:
+                self.writer.put(jobs)
+        for job in plan.loads:
+            self._loads_running[job.id] = job
+            self._loader.submit(self._load, job)
+
+    def save(self, plan: StepPlan, ready: Any = None) -> None:
+        """``wait_for_save``: start the plan's copies of blocks (the forward wrote them)."""
+        if not plan.copies:
+            return
+        issuer = SimpleNamespace(id=0, rid=None, tag=None)
+        for job in plan.copies:
+            issuer.id = job.lifecycle_id
+            n_tokens = len(job.device_pages) * self.block_size
+            t = Transfer(
+                issuer,
+                job.device_pages,
+                job.host_pages,
+                job.keys,
+                job.first_token,
+                n_tokens,
+                0.0,
+                ready=ready,
+            )
+            try:
+                self.backend.submit(t)
+            except Exception as exc:  # refused: that copy fails, the others go on (F20)
+                self._report.copies[job.id] = (1, repr(exc))
+                continue
+            self._copies[t.id] = job.id
+        self.backend.launch()
+
+    # --- loads (the load thread) -------------------------------------------------------
+
+    def _load(self, job: LoadJob) -> None:
+        pages, error = 0, None
+        try:
+            n = min(len(job.keys), len(job.host_pages))
+            if n < len(job.keys):
+                error = f"no host pages for {len(job.keys) - n} of {len(job.keys)} page(s)"
+            if n and self.writer is not None and self.storage is not None:
+                dest = _writable_pages(self.host, job.host_pages[:n])
+                pages = int(self.writer.call(self.storage.get_into(job.keys[:n], dest), self.io_timeout_s))
+                del dest
+            with self._lock:
+                cancelled = job.id in self._cancelled
+            if pages and not cancelled:
+                copy_h2d(self.device, self.host, job.device_pages[:pages], job.host_pages[:pages])
+        except Exception as exc:  # the store or the copy failed: nothing counts as loaded
+            pages, error = 0, repr(exc)
+        with self._lock:
+            self._loaded.append((job, pages, error))
+            self._load_done.notify_all()
+
+    # --- what this rank reports -------------------------------------------------------------
+
+    def _take_copies(self) -> list[int]:
+        """Take the backend's completions into the report; returns their local ids."""
+        out: list[int] = []
+        for local, err in self.backend.take_completions():
+            job = self._copies.pop(local, None)
+            if job is None:
+                continue
+            self._report.copies[job] = (1, None if err is None else repr(err))
+            out.append(local)
+        return out
+
+    def poll(self) -> None:
+        """Collect what finished since the last call: copies, writes, loads."""
+        self._take_copies()
+        if self.writer is not None:
+            for wjob, stored, _attempts, err in self.writer.take_results():
+                self._report.writes[wjob.id] = (1, stored, None if err is None else repr(err))
+        with self._lock:
+            loaded = list(self._loaded)
+            self._loaded.clear()
+            for job, _, _ in loaded:
+                self._cancelled.discard(job.id)
+        for job, pages, error in loaded:
+            self._loads_running.pop(job.id, None)
+            self._report.loads[job.id] = (1, pages, error)
+            self._recving.add(job.req_id)
+            self._load_errors.update(job.device_pages[pages:])
+
+    def finished(self, plan: StepPlan | None) -> tuple[set[str], set[str]]:
+        """``get_finished``: (requests released by this plan: every copy of theirs is
+        delivered; requests whose load finished here, failed or cancelled ones too)."""
+        self.poll()
+        sending = set(plan.release) if plan is not None else set()
+        recving, self._recving = self._recving, set()
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        """``get_block_ids_with_load_errors``: blocks of loads finished since the last
+        call that hold no loaded page (reported no later than their request's
+        ``finished_recving``)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_report(self) -> RankReport | None:
+        """``build_connector_worker_meta``: the jobs finished since the last report."""
+        self.poll()
+        if not self._report:
+            return None
+        out, self._report = self._report, RankReport()
+        return out
+
+    @property
+    def idle(self) -> bool:
+        """Whether nothing handed to this rank is still running or unreported."""
+        writer = self.writer
+        return not (
+            self._copies
+            or self._loads_running
+            or self._report
+            or self._recving
+            or (writer is not None and (writer.pending or writer.has_results))
+        )
+
+    def wait_progress(self, timeout: float) -> bool:
+        """Block until a copy, write or load finished here (not yet collected), or
+        ``timeout`` seconds passed, or nothing is running; returns whether one did."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        writer = self.writer
+        while True:
+            if self.backend.ready or (writer is not None and writer.has_results) or self._loaded:
+                return True
+            if not (self._copies or self._loads_running or (writer is not None and writer.pending)):
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._copies:
+                self.backend.wait_ready(min(left, 0.01))
+            elif writer is not None and writer.pending:
+                writer.wait_progress(min(left, 0.01))
+            else:
+                with self._load_done:
+                    if not self._loaded:
+                        self._load_done.wait(left)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish what was handed over (copies, loads, writes), then stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        self.backend.close()
+        if not self.backend.join(timeout):
+            logger.error("vllm.close_timeout", what="copies", timeout_s=timeout)
+        self._loader.shutdown(wait=True)
+        if self.writer is not None:
+            self.writer.stop()
+            self.writer.join(timeout)
