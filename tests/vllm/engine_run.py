@@ -34,8 +34,10 @@ Spec keys:
 The result: ``requests`` (per name: ``prompt`` length, ``output`` token ids,
 ``logprobs`` of the sampled tokens, ``num_cached_tokens``, the engine's own timestamps:
 ``ttft_s`` from queued to first token, ``decode_s_per_token``, ``num_preemptions``),
-``phases`` (wall seconds per phase), ``aborts``, ``connector`` (the class vLLM's
-scheduler built, in-process only), ``scheduler_stats`` and ``startup_s``.
+``phases`` (wall seconds per phase), ``drain_steps`` (per phase: the steps taken after
+it while the scheduler still had work, in-process only: see ``_drain``), ``aborts``,
+``connector`` (the class vLLM's scheduler built, in-process only), ``scheduler_stats``
+and ``startup_s``.
 """
 
 from __future__ import annotations
@@ -212,6 +214,8 @@ def main(spec_path: str, result_path: str) -> None:
         else:
             by_name = _step_phase(llm, sched, phase, reqs, prompts, params_of, TokensPrompt, result)
         result["phases"][phase["name"]] = time.monotonic() - start
+        if sched is not None:
+            result.setdefault("drain_steps", {})[phase["name"]] = _drain(llm, sched)
         for r, p in zip(reqs, prompts, strict=True):
             out = by_name.get(r["name"])
             if out is None:
@@ -229,6 +233,28 @@ def main(spec_path: str, result_path: str) -> None:
         json.dump(result, f)
     # Shut the engine down before the interpreter does (its workers, its store threads).
     del llm
+
+
+DRAIN_S = 120.0
+
+
+def _drain(llm: Any, sched: Any) -> int:
+    """Step an in-process engine while its scheduler still has work (``has_requests()``:
+    a connector's pending push work counts), as vLLM's own engine process does in its
+    busy loop between requests; returns the steps taken. In-process, nothing else steps
+    the engine after ``LLM.generate`` returns: a connector's stores of the last requests
+    would wait for the next call (or be lost at exit). A connector that never settles
+    within ``DRAIN_S`` ends the run with an error (the test fails with the log)."""
+    deadline = time.monotonic() + DRAIN_S
+    steps = 0
+    while sched.has_requests():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the engine still had work {DRAIN_S:.0f} s after its requests finished")
+        llm.llm_engine.step()
+        steps += 1
+        if steps % 64 == 0:
+            time.sleep(0.001)  # yield to the connector's threads (no busy spin on a 2-core box)
+    return steps
 
 
 def _step_phase(
