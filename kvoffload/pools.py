@@ -118,6 +118,22 @@ class PagePool:
         self._allocated[page] = 1
         return page
 
+    def take_pages(self, pages: list[int]) -> None:
+        """Take exactly ``pages`` (distinct ints, each free): what a load holds in
+        kvoffload's own device pool while it may write them. Raises
+        :class:`PageError` (nothing taken) on one out of range or not free. O(free)."""
+        alloc = self._allocated
+        for p in pages:
+            if not 0 <= p < self.n_pages or alloc[p]:
+                raise PageError(f"{self.kind} page {p} is not free (or out of range [0, {self.n_pages}))")
+        taken = set(pages)
+        if len(taken) != len(pages):
+            raise PageError(f"{self.kind} pages {pages[:8]} name a page twice")
+        free = self._free
+        free[:] = [q for q in free if q not in taken]
+        for p in pages:
+            alloc[p] = 1
+
     def _take(self, n: int) -> list[int]:
         """The last ``n`` free pages (0 < ``n`` <= free), marked allocated."""
         free = self._free

@@ -3,6 +3,7 @@ docs/lifecycle.md is what ``kvoffload graph`` prints."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import MissingDependency
+from kvoffload.lifecycle.load_spec import LOAD_SPEC, LoadState
 from kvoffload.lifecycle.spec import SPEC, LifecycleState
 from kvoffload.tools import graph
 
@@ -97,6 +99,64 @@ def test_matplotlib_drawing_shows_each_state_and_highlights() -> None:
     for state in LifecycleState:
         assert any(t.startswith(state.name) for t in texts)
     assert "OFFLOADING\n#3 r2" in texts
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+# --- the load lifecycle -------------------------------------------------------------------
+
+
+def test_the_load_lifecycle_mermaid_draws_every_declared_transition() -> None:
+    """``graph.mermaid(LOAD_SPEC)`` draws each declared load transition (source, dest,
+    event) and nothing else, starting in READING; highlighting marks a load state."""
+    text = graph.mermaid(LOAD_SPEC)
+    drawn = _mermaid_edges(text)
+    declared = graph.edges(LOAD_SPEC)
+    assert {k: sorted(v) for k, v in drawn.items()} == {k: sorted(v) for k, v in declared.items()}
+    assert "[*] --> READING" in text and "title: kvoffload load lifecycle" in text
+    assert len(declared) == len({(t.source, t.dest) for t in LOAD_SPEC.transitions})
+    marked = graph.mermaid(LOAD_SPEC, highlight={LoadState.COPYING: ["#4 r1"]})
+    assert 'state "COPYING: #4 r1" as COPYING' in marked and "class COPYING s_active" in marked
+    with pytest.raises(ValueError, match="unknown state"):
+        graph.mermaid(LOAD_SPEC, highlight={"PENDING": ["x"]})  # an offload state
+
+
+def test_docs_load_lifecycle_diagram_is_the_generated_one() -> None:
+    """docs/lifecycle.md carries exactly `kvoffload graph --lifecycle load`."""
+    text = DOC.read_text()
+    m = re.search(
+        r"<!-- BEGIN kvoffload graph --lifecycle load --format mermaid -->\n```mermaid\n(.*?)```\n<!-- END",
+        text,
+        re.S,
+    )
+    assert m, "docs/lifecycle.md lost the load diagram's markers"
+    assert m.group(1) == graph.mermaid(LOAD_SPEC), "docs/lifecycle.md drifted from LOAD_SPEC"
+
+
+def test_the_cli_draws_the_load_lifecycle(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvoffload graph --lifecycle load`` prints the load lifecycle; the default is
+    still the offload lifecycle."""
+    from kvoffload.tools.cli import main
+
+    assert main(["graph", "--lifecycle", "load"]) == 0
+    assert capsys.readouterr().out == graph.mermaid(LOAD_SPEC)
+    assert main(["graph"]) == 0
+    assert capsys.readouterr().out == graph.mermaid()
+
+
+def test_load_dot_source_and_matplotlib_draw_every_load_state() -> None:
+    """The graphviz source has each load edge; draw_matplotlib places each load state."""
+    if importlib.util.find_spec("graphviz") is not None:
+        source = graph.dot(LOAD_SPEC)
+        for src, dst in graph.edges(LOAD_SPEC):
+            assert f"{src} -> {dst}" in source
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    ax = graph.draw_matplotlib(LOAD_SPEC, highlight={"CANCELLING": ["#2 r"]})
+    texts = [t.get_text() for t in ax.texts]
+    for state in LoadState:
+        assert any(t.startswith(state.name) for t in texts)
     import matplotlib.pyplot as plt
 
     plt.close("all")

@@ -276,6 +276,7 @@ def _unchanged(rig: Rig, before: kvo.Statistics) -> None:
         (([], []), kvo.PageError, "at least one page"),
         (([b"k"], [0]), kvo.ConfigError, "keys must be"),
         (("abc", [0, 1, 2]), kvo.ConfigError, "keys must be"),
+        ((iter(keys(1)), [0]), kvo.ConfigError, "keys must be"),
         ((keys(1), {0}), kvo.PageError, "ordered"),
     ],
 )
@@ -398,3 +399,57 @@ def test_close_cancels_live_loads_and_each_ends_when_its_read_or_copy_returns(ri
     s = core.statistics()
     assert (s.loads_live, s.host_pages_used, s.loads_cancelled) == (0, 0, 2)
     assert core.take_loads() == [reading, copying]
+
+
+def test_owned_mode_a_live_load_holds_its_device_pages_so_no_admit_takes_them() -> None:
+    """Owned mode: kvoffload's pool holds a live load's device pages (an admit meanwhile
+    gets other pages, so no copy of the load writes a lifecycle's page); they are free
+    again at DONE."""
+    rig = Rig("sim")
+    core = rig.core
+    free = rig.device.free_pages
+    ld = core.load_begin("r", keys(3), [31, 30, 29])  # the pool's next pages (LIFO from the top)
+    assert rig.device.free_pages == free - 3 and all(rig.device.is_allocated(p) for p in (29, 30, 31))
+    lc = core.admit("a", list(range(12)))
+    assert not set(lc.device_pages) & {29, 30, 31}
+    rig.check()
+    core.load_read(ld, 3)
+    rig.deliver()
+    assert ld.outcome is LoadOutcome.LOADED and not any(rig.device.is_allocated(p) for p in (29, 30, 31))
+    core.abort(lc)
+    rig.check()
+    assert rig.device.free_pages == free
+
+
+def test_engine_owned_a_page_handed_to_a_lifecycle_while_reading_is_never_copied() -> None:
+    """Engine-owned mode: the engine hands a load's page to a lifecycle while the load
+    reads (its bug): when the read returns, no copy is submitted - FAILED, naming the
+    page - so the lifecycle's page is never written by the load."""
+    rig = Rig("sim", engine=True)
+    core = rig.core
+    ld = core.load_begin("r", keys(2), [3, 4])
+    lc = core.admit("a", list(range(4)), pages=[4], stored=0)  # its own page: it copies from it
+    submitted = rig.backend.submitted
+    rig.fill_host(ld, 2, 1.0)
+    assert core.load_read(ld, 2) == [ld]
+    assert ld.outcome is LoadOutcome.FAILED and "device page 4" in (ld.reason or "")
+    assert rig.backend.submitted == submitted and ld.host_pages == []
+    core.abort(lc)
+    rig.deliver()
+    assert rig.host.used == 0
+
+
+def test_take_pages_takes_exactly_free_pages_or_nothing() -> None:
+    """PagePool.take_pages (what an owned-mode load holds): a page not free, out of range
+    or named twice is a PageError with nothing taken; else exactly those pages."""
+    pool = DevicePool.create(8, 4, (2,), "float32")
+    held = pool.allocate(1)
+    for bad in ([held[0]], [8], [-1], [1, 1]):
+        with pytest.raises(kvo.PageError):
+            pool.take_pages(bad)
+        assert pool.used == 1
+        pool.check()
+    pool.take_pages([2, 5])
+    pool.check()
+    assert pool.used == 3 and pool.is_allocated(2) and pool.is_allocated(5)
+    assert set(pool.allocate(5)).isdisjoint({2, 5, *held})

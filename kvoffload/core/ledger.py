@@ -115,10 +115,15 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep, loads: Loads | N
     expect(
         counts == registry.state_counts, lambda: f"state counts {registry.state_counts} != registry {counts}"
     )
-    # Rule 2: device pages are held by live lifecycles only, exactly.
+    # Rule 2: device pages are held by live lifecycles only, exactly (and, in owned mode,
+    # by live loads: kvoffload's pool holds the pages they may write).
+    load_dev = sum(len(ld.device_pages) for ld in loads.live.values()) if loads and loads.owned else 0
     expect(
-        registry.device_pool.used == dev_total,
-        lambda: f"device pool used {registry.device_pool.used} != held by live lifecycles {dev_total}",
+        registry.device_pool.used == dev_total + load_dev,
+        lambda: (
+            f"device pool used {registry.device_pool.used} != held by live lifecycles {dev_total}"
+            + (f" + live loads {load_dev}" if load_dev else "")
+        ),
     )
     # Rule 1 and 6: every in-flight transfer belongs to a live lifecycle; counts agree.
     expect(
@@ -168,7 +173,7 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep, loads: Loads | N
     host_writes = sum(len(j.host_pages) for j in chunks.writes.jobs.values()) + held_pages
     expect(host_writes == c.pages_in_write, lambda: f"pages in write {c.pages_in_write} != {host_writes}")
     # Rule 3: host pages are held by in-flight chunks, pending writes and live loads, exactly.
-    host_loads = _check_loads(loads, registry, expect) if loads is not None else 0
+    host_loads = _check_loads(loads, registry, dev_pages, expect) if loads is not None else 0
     expect(
         chunks.host_pool.used == host_inflight + host_writes + host_loads,
         lambda: (
@@ -207,7 +212,9 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep, loads: Loads | N
         raise InvariantViolation("; ".join(problems))
 
 
-def _check_loads(loads: Loads, registry: Registry, expect: Callable[[bool, Callable[[], str]], None]) -> int:
+def _check_loads(
+    loads: Loads, registry: Registry, held: set[int], expect: Callable[[bool, Callable[[], str]], None]
+) -> int:
     """The load path (kvoffload.core.loads): each live load's state agrees with what
     touches its pages, no two name one device page, no lifecycle holds one for itself,
     and the load ledger balances. Returns the host pages the live loads hold."""
@@ -254,8 +261,12 @@ def _check_loads(loads: Loads, registry: Registry, expect: Callable[[bool, Calla
             )
             device[p] = ld.id
             expect(
-                not pool.is_allocated(p) or (shared is not None and shared(p) > 0) or not ld.device_busy,
+                p not in held or (shared is not None and shared(p) > 0) or not ld.device_busy,
                 lambda: f"device page {p} of {ld!r} is held by a live lifecycle while a copy may write it",
+            )
+            expect(
+                not loads.owned or pool.is_allocated(p),
+                lambda: f"device page {p} of {ld!r} is free in kvoffload's pool while the load holds it",
             )
     expect(len(set(host)) == len(host), lambda: "a host page is held by two loads")
     expect(device == loads.device, lambda: "the loads' device page record is out of sync")

@@ -211,6 +211,9 @@ class Loads:
         self.finished: list[Load] = []
         # next_seq: the seq of the next h2d transfer (its own numbering, beside the chunks').
         self.next_seq = 0
+        # owned: kvoffload's own device pool (owned mode): a live load holds its device
+        # pages there (taken at begin, returned at DONE); engine-owned mode: the engine's.
+        self.owned = not hasattr(device_pool, "shared_count")
 
     # --- begin --------------------------------------------------------------------------
 
@@ -227,11 +230,12 @@ class Loads:
         :class:`~kvoffload.PageError` when ``len(keys) != len(device_pages)``, for no
         page at all, for a device page out of range or named twice, held by a live
         lifecycle for itself (a page it may copy from: engine-owned mode; owned mode:
-        any page kvoffload's pool handed out), or named by another live load, and
+        any page kvoffload's pool handed out: the load then holds its pages there until
+        DONE, so no admit takes them), or named by another live load, and
         :class:`~kvoffload.KVOffloadError` once the core is closing."""
         if self.registry.closing:
             raise KVOffloadError("the manager is closed: no load can begin")
-        if isinstance(keys, (str, bytes)) or not all(type(k) is str for k in keys):
+        if not isinstance(keys, (list, tuple)) or not all(type(k) is str for k in keys):
             raise ConfigError(f"keys must be a list of page keys (str), got {keys!r:.80}")
         if type(first_page) is not int or first_page < 0:
             raise ConfigError(
@@ -250,6 +254,8 @@ class Loads:
             )
             self.fire(ld, _HOST_FULL, LoadOutcome.MISSED)
             return ld
+        if self.owned:  # kvoffload's own pool: the load holds its pages (no admit takes them)
+            self.device_pool.take_pages(pages)  # type: ignore[union-attr]
         ld._host = host
         self.live[ld.id] = ld
         for p in pages:
@@ -274,13 +280,13 @@ class Loads:
                 raise PageError(f"device page {p} is out of range: the device pool has {n} pages")
             if p in seen:
                 raise PageError(f"device page {p} is named twice: a load writes each page once")
+            if p in self.device:
+                raise PageError(f"device page {p} is named by live load #{self.device[p]}")
             if pool.is_allocated(p) and (shared is None or not shared(p)):
                 raise PageError(
                     f"device page {p} is held by a live lifecycle that may copy from it; a load "
                     "writes only pages no lifecycle holds for itself"
                 )
-            if p in self.device:
-                raise PageError(f"device page {p} is named by live load #{self.device[p]}")
             seen.add(p)
 
     # --- events in ----------------------------------------------------------------------
@@ -318,6 +324,12 @@ class Loads:
         """READING -> COPYING: return the host pages past ``n_ok``, submit the one h2d
         copy of the others (the only place a load's copy is made)."""
         assert ld._s == _READING and ld._transfer is None
+        taken = self.taken(ld)
+        if taken is not None:  # the engine handed a page to a lifecycle meanwhile: never copy
+            ld._reason = f"device page {taken} was handed to a live lifecycle while the load read"
+            ld._error = PageError(ld._reason)
+            self.fire(ld, _READ_FAILED, LoadOutcome.FAILED)
+            return
         host = ld._host
         if n_ok < len(host):
             self.host_pool.free(host[n_ok:])
@@ -340,6 +352,18 @@ class Loads:
         self.copying[t.id] = ld
         self.counters.load_pages_inflight += n_ok
         self.fire(ld, _READ_OK, None)
+
+    def taken(self, ld: Load) -> int | None:
+        """A device page of ``ld`` a live lifecycle now holds for itself (engine-owned
+        mode: the engine handed it over while the load read), else None."""
+        if self.owned:
+            return None  # the load holds its pages in kvoffload's pool
+        pool = self.device_pool
+        shared = getattr(pool, "shared_count")  # noqa: B009 - EnginePages only
+        for p in ld.device_pages:
+            if pool.is_allocated(p) and not shared(p):
+                return p
+        return None
 
     def cancel(self, ld: Load) -> list[Load]:
         """The engine takes ``ld``'s device pages back: READING or COPYING -> CANCELLING
@@ -432,6 +456,8 @@ class Loads:
             for p in ld.device_pages:
                 if device.get(p) == ld.id:
                     del device[p]
+            if self.owned:
+                self.device_pool.free(ld.device_pages)
         self.count(ld, outcome)
         self.finished.append(ld)
         if ld.waker is not None:

@@ -22,10 +22,12 @@ from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
 from kvoffload.core.lifecycle import Lifecycle
+from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
 from kvoffload.core.stats import Counters, Statistics
 from kvoffload.errors import ConfigError, KVOffloadError, ManagerClosed, StorageError, wrong_thread
 from kvoffload.keys import check_seed, namespace_seed, page_run_keys, validate_tokens
+from kvoffload.lifecycle.load_table import validate_load
 from kvoffload.lifecycle.table import validate
 from kvoffload.pools import EnginePages
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from kvoffload.pools import DevicePool, HostPool
     from kvoffload.storage.writer import WritePolicy
 
-__all__ = ["DriverBase", "check_timeout", "first_error", "parked"]
+__all__ = ["DriverBase", "check_timeout", "first_error", "load_buffers", "parked"]
 
 _spec_validated = False
 
@@ -85,6 +87,21 @@ def check_timeout(what: str, timeout: object) -> float | None:
     return None if math.isinf(seconds) else seconds
 
 
+def load_buffers(pool: HostPool, pages: Sequence[int]) -> list[memoryview]:
+    """A writable, contiguous byte view of each host page of ``pool`` (no copy), for a
+    load's store read (``Storage.get_into``). The load holds the pages while its read
+    runs; the caller drops the views when the read returned."""
+    import torch
+
+    t = pool.tensor
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{pool!r}: pages can be read into only in a contiguous CPU tensor")
+    raw: Any = t.view(-1).view(torch.uint8).numpy()  # the pool's own memory, as bytes
+    flat = memoryview(raw)
+    size = flat.nbytes // pool.n_pages
+    return [flat[p * size : (p + 1) * size] for p in pages]
+
+
 class DriverBase:
     """The parts of :class:`~kvoffload.OffloadManager` and
     :class:`~kvoffload.SyncOffloadManager` that do not depend on how they wait."""
@@ -107,6 +124,7 @@ class DriverBase:
         global _spec_validated
         if not _spec_validated:
             validate()
+            validate_load()
             _spec_validated = True
         from kvoffload.backends import resolve_backend
         from kvoffload.storage import resolve_storage
@@ -213,7 +231,7 @@ class DriverBase:
             seen: set[int] = set()
             known = []
             for tid, e in batch:
-                if tid in core.inflight and tid not in seen:
+                if (tid in core.inflight or tid in core.loads.copying) and tid not in seen:
                     seen.add(tid)
                     known.append((tid, e))
             logger.error(
@@ -447,6 +465,55 @@ class DriverBase:
             out.append(page)
         return out
 
+    # --- loads (the way back: store -> host pool -> device pages) -------------------------
+
+    def _begin_load(
+        self,
+        what: str,
+        tokens: Sequence[int],
+        device_pages: Any,
+        chain_seed: str | None,
+        skip_pages: int,
+        rid: Any,
+        tag: Any,
+    ) -> Load:
+        """The core's ``load_begin`` of the whole pages of ``tokens`` from page
+        ``skip_pages`` on, under their chain keys (exactly those ``lookup``/``fetch``
+        compute; namespaced). Raises (nothing held) :class:`~kvoffload.StorageError`
+        without a storage tier, :class:`~kvoffload.InvalidTokens` for bad tokens or
+        ``skip_pages``, and what ``load_begin`` raises."""
+        from kvoffload.errors import InvalidTokens
+
+        self._check_open(what)
+        if self.storage is None:
+            raise StorageError(
+                f"{what}: this {self._kind} has no storage tier (storage=None): nothing to load from"
+            )
+        keys = self._read_keys(tokens, None, chain_seed)
+        if type(skip_pages) is not int or not 0 <= skip_pages <= len(keys):
+            raise InvalidTokens(
+                f"{what}: skip_pages={skip_pages!r} must be an int between 0 and the {len(keys)} whole "
+                "page(s) of tokens"
+            )
+        return self.core.load_begin(rid, keys[skip_pages:], device_pages, tag=tag, first_page=skip_pages)
+
+    def _check_load(self, load: Load, what: str) -> None:
+        if not isinstance(load, Load) or (not load.done and self.core.loads.live.get(load.id) is not load):
+            raise KVOffloadError(
+                f"{what}({load!r}): not a live load of this manager (another manager began it)"
+            )
+
+    def cancel_load(self, load: Load) -> None:
+        """The engine takes ``load``'s device pages back (an abort, a preemption): no copy
+        of it starts from now on; it ends CANCELLED once its store read returned or its
+        copy in flight completed (``load.device_busy`` stays True until then: do not
+        reuse its pages before). On a DONE load a no-op."""
+        self._check_owner("cancel_load()")
+        if load.done:
+            return
+        self._check_load(load, "cancel_load")
+        self.core.load_cancel(load)
+
     # --- observability -------------------------------------------------------------------
 
     def add_listener(self, listener: Listener) -> Callable[[], None]:
@@ -480,10 +547,10 @@ class DriverBase:
     @property
     def outstanding(self) -> int:
         """Work that only :meth:`poll` (or the event loop) moves on: copies in flight,
-        chunks deferred for host pages, storage writes not yet collected. A scheduler
+        chunks deferred for host pages, storage writes not yet collected, live loads. A scheduler
         that sleeps when idle must not sleep while this is non-zero. O(1)."""
         core = self.core
-        return len(core.inflight) + len(core.deferred) + len(core.writes)
+        return len(core.inflight) + len(core.deferred) + len(core.writes) + len(core.loads.live)
 
     def statistics(self) -> Statistics:
         """A frozen snapshot of the manager's state and counters."""

@@ -18,7 +18,7 @@ import time
 from _thread import get_ident
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
@@ -26,7 +26,8 @@ from kvoffload.abc import Completion, EventBackend, Storage
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.core.lifecycle import Lifecycle
-from kvoffload.drivers._base import DriverBase, first_error
+from kvoffload.core.loads import Load
+from kvoffload.drivers._base import DriverBase, first_error, load_buffers
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, ManagerClosed
 
 if TYPE_CHECKING:
@@ -108,6 +109,8 @@ class OffloadManager(DriverBase):
         self._progress_ev: anyio.Event | None = None
         # _joined: the backend's threads ended at close (False: buffers parked).
         self._joined = True
+        # _reads: the store-read tasks of live loads (each reports to the core when it ends).
+        self._reads: set[asyncio.Task[None]] = set()
 
     def _open_hint(self) -> str:
         return "use `async with OffloadManager(...)`"
@@ -173,6 +176,7 @@ class OffloadManager(DriverBase):
         try:
             with anyio.fail_after(timeout if drain else 0):
                 await self.wait_drained()
+                await self._drain_loads()
         except TimeoutError:
             if drain:  # skipping the drain after an error under sim is by design: no error
                 core = self.core
@@ -215,6 +219,15 @@ class OffloadManager(DriverBase):
         try:
             self._released(self.core.close())
         finally:
+            for read in list(self._reads):  # (each reports its load, CANCELLED, as it ends)
+                read.cancel()
+            for read in list(self._reads):
+                with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+                    await read
+            self.core.take_loads()
+            for ld in list(self.core.loads.live.values()):  # (a copy wedged: its waiter sees the close)
+                if ld.waker is not None:
+                    ld.waker.set()
             self.backend.set_waker(None)
             self._wake_progress()
             for lc in list(self.core.live.values()):
@@ -289,6 +302,7 @@ class OffloadManager(DriverBase):
             more, errors = self._apply_calls() if outer else ([], [])
         self._delivered += len(batch)
         self._after_step(released + more, errors)
+        self.core.take_loads()  # (each DONE load woke its waiter: nothing more to hand over)
 
     def _after_step(self, released: list[Lifecycle], errors: list[BaseException] | None = None) -> None:
         """After a core step off the caller's path: start the writes it queued, launch
@@ -406,6 +420,114 @@ class OffloadManager(DriverBase):
                 self.tick()
             except Exception as exc:  # a failing step is logged; the timers go on (F20)
                 logger.error("manager.step_failed", step="tick", error=repr(exc))
+
+    # --- loads (the way back) ------------------------------------------------------------
+
+    def start_load(
+        self,
+        tokens: Sequence[int],
+        device_pages: Sequence[int],
+        chain_seed: str | None = None,
+        *,
+        skip_pages: int = 0,
+        rid: Any = None,
+        tag: Any = None,
+    ) -> Load:
+        """Begin loading the stored pages of ``tokens`` from page ``skip_pages`` on into
+        ``device_pages`` (one per page, in order); return the load at once, READING.
+
+        The keys are kvoffload's chain keys of ``tokens`` (exactly as :meth:`lookup` and
+        :meth:`fetch` compute them, seeded by ``chain_seed`` or the namespace). A task
+        reads the store into the load's host pages (checked bytes only: a missing or
+        corrupt page ends the run there, F38), then the host->device copy of the pages
+        read is submitted; ``await`` :meth:`wait_loaded`. A host pool too full to read
+        into ends the load at once, MISSED. Raises (nothing held)
+        :class:`~kvoffload.StorageError` without a storage tier,
+        :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PageError` (see
+        ``OffloadCore.load_begin``)."""
+        ld = self._begin_load("start_load()", tokens, device_pages, chain_seed, skip_pages, rid, tag)
+        if not ld.done:
+            assert self._loop is not None
+            read = self._loop.create_task(self._read_load(ld), name=f"kvoffload.load-{ld.id}")
+            self._reads.add(read)
+            read.add_done_callback(self._reads.discard)
+        return ld
+
+    async def _read_load(self, ld: Load) -> None:
+        """The store read of ``ld`` into its host pages, reported to the core when it
+        ends however it ends (an error, a cancellation at close)."""
+        storage = self.storage
+        assert storage is not None
+        views = load_buffers(self.host_pool, ld.host_pages)
+        n, error = 0, cast("BaseException | None", None)
+        try:
+            n = await storage.get_into(ld.keys, views)
+            if type(n) is not int:
+                error, n = KVOffloadError(f"{storage!r}.get_into returned {n!r}, not a page count"), 0
+        except BaseException as exc:  # (a cancellation goes on once the read is reported)
+            error = exc
+            raise
+        finally:
+            del views
+
+            def step() -> list[Lifecycle]:
+                self.core.load_read(ld, min(n, len(ld.keys)), error)
+                return []
+
+            self._core_step(step)
+
+    async def wait_loaded(self, load: Load) -> Load:
+        """Wait until ``load`` is DONE and return it (``load.outcome`` says how it ended).
+        Raises :class:`~kvoffload.ManagerClosed` once the manager is closed with the load
+        not done (nothing will finish it), :class:`~kvoffload.KVOffloadError` for a load
+        of another manager."""
+        self._check_owner("wait_loaded()")
+        self._check_load(load, "wait_loaded")
+        while not load.done:
+            if self._closed:
+                raise ManagerClosed(f"{load!r}: the manager is closed; it will never be done")
+            ev = load.waker
+            if ev is None:
+                ev = load.waker = anyio.Event()
+            assert isinstance(ev, anyio.Event)
+            if self.backend.needs_polling:
+                with anyio.move_on_after(1e-3):
+                    await ev.wait()
+                self._deliver_ready()
+            else:
+                await ev.wait()
+        return load
+
+    async def load(
+        self,
+        tokens: Sequence[int],
+        device_pages: Sequence[int],
+        chain_seed: str | None = None,
+        *,
+        skip_pages: int = 0,
+        rid: Any = None,
+        tag: Any = None,
+    ) -> Load:
+        """:meth:`start_load`, then :meth:`wait_loaded`: the load, DONE. If the caller is
+        cancelled while it waits, the load is cancelled too (its pages stay busy until
+        its read or copy returned: ``load.device_busy``)."""
+        ld = self.start_load(tokens, device_pages, chain_seed, skip_pages=skip_pages, rid=rid, tag=tag)
+        try:
+            return await self.wait_loaded(ld)
+        except BaseException:
+            if not ld.done and not self._closed:
+                self.core.load_cancel(ld)
+            raise
+
+    async def _drain_loads(self) -> None:
+        """Leaving: cancel every live load and wait until each ended (its read returned,
+        its copy completed), so no read or copy touches a page after the close."""
+        core = self.core
+        for ld in list(core.loads.live.values()):
+            core.load_cancel(ld)
+        while core.loads.live:
+            await self._wait_progress()
+        core.take_loads()
 
     # --- storage reads -------------------------------------------------------------------
 

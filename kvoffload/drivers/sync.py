@@ -21,6 +21,7 @@ releases the same lifecycles in the same call (FAILURES F25).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from _thread import get_ident
@@ -32,7 +33,8 @@ from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
 from kvoffload.core.lifecycle import Lifecycle
-from kvoffload.drivers._base import DriverBase, check_timeout, first_error
+from kvoffload.core.loads import Load
+from kvoffload.drivers._base import DriverBase, check_timeout, first_error, load_buffers
 from kvoffload.drivers.distributed import CLOSE, FETCH, LOOKUP, POLL, QUIESCE, WAIT, RankAgreement, join_group
 from kvoffload.errors import ConfigError, DrainTimeout, KVOffloadError, RanksDiverged, RankTimeout
 
@@ -102,6 +104,10 @@ class SyncOffloadManager(DriverBase):
             self.storage = self._tp.key_space(self.storage)
         self.group = group
         self._writer: ThreadWriter | None = None
+        # _reads: the store reads of live loads, on the writer thread, in start order;
+        # each is reported to the core (load_read) by the poll that finds it done.
+        # Invariant: all(ld.reading for ld, _ in self._reads)
+        self._reads: list[tuple[Load, concurrent.futures.Future[int]]] = []
         # _tick_every: seconds between timer runs inside poll(), or None without timers.
         cfg = config
         self._tick_every: float | None = None
@@ -193,12 +199,18 @@ class SyncOffloadManager(DriverBase):
         errors: list[BaseException] = []
         if outer:
             self._errors = errors
+        for ld in list(core.loads.live.values()):  # no load copies from now on; each ends
+            core.load_cancel(ld)  # when its read returns or its copy completes (drained here)
+
+        def drained() -> bool:
+            return not core.busy and not core.loads.live
+
         try:
             try:
-                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+                timed_out = not self._until(drained, deadline, CLOSE)
             except (RankTimeout, RanksDiverged) as exc:  # the group failed in the drain:
                 group_error = exc  # finish it with this rank's own copies, then say so
-                timed_out = not self._until(lambda: not core.busy, deadline, CLOSE)
+                timed_out = not self._until(drained, deadline, CLOSE)
         except BaseException:  # not closed (e.g. KeyboardInterrupt): callbacks raise again
             if outer:
                 self._errors = None
@@ -302,6 +314,7 @@ class SyncOffloadManager(DriverBase):
         backend.launch()  # what a retried deferred chunk (or a held call's flush) submitted
         if released or errors:
             self._released(released, raise_errors=True, errors=errors)
+        self.core.take_loads()  # (each DONE load woke its waiter: nothing more to hand over)
         return n, late
 
     def _deliver_step(
@@ -324,6 +337,8 @@ class SyncOffloadManager(DriverBase):
                     released = self._complete(batch)
             if writer is not None:
                 results = writer.take_results()
+            if self._reads:
+                self._reads_done()
         else:
             if backend.ready or backend.needs_polling:
                 tp.hold_copies(backend.take_completions(), core)
@@ -403,7 +418,10 @@ class SyncOffloadManager(DriverBase):
         writer = self._writer
         if self.backend.ready or (writer is not None and writer.has_results):
             return
-        if writer is not None and writer.pending and not self.core.inflight:
+        if self._reads and not self.core.inflight and not self.core.loads.copying:
+            futures = [f for _, f in self._reads]
+            concurrent.futures.wait(futures, slice_s, concurrent.futures.FIRST_COMPLETED)
+        elif writer is not None and writer.pending and not self.core.inflight:
             writer.wait_progress(slice_s)
         else:
             self.backend.wait_ready(slice_s)
@@ -489,6 +507,86 @@ class SyncOffloadManager(DriverBase):
             f"{lc!r} belongs to a SyncOffloadManager, which has no event loop: use "
             "mgr.wait_released(lc) or mgr.quiesce(), or watch on_released"
         )
+
+    # --- loads (the way back) ------------------------------------------------------------
+
+    def load(
+        self,
+        tokens: Sequence[int],
+        device_pages: Sequence[int],
+        chain_seed: str | None = None,
+        *,
+        skip_pages: int = 0,
+        rid: Any = None,
+        tag: Any = None,
+    ) -> Load:
+        """Begin loading the stored pages of ``tokens`` from page ``skip_pages`` on into
+        ``device_pages`` (one per page, in order); return the load at once, READING.
+
+        The keys are kvoffload's chain keys of ``tokens`` (exactly as :meth:`lookup` and
+        :meth:`fetch` compute them, seeded by ``chain_seed`` or the namespace). The
+        writer thread reads the store into the load's host pages (checked bytes only: a
+        missing or corrupt page ends the run there, F38); :meth:`poll` delivers the
+        read and then the host->device copy's completion; :meth:`wait_loaded` waits.
+        A host pool too full to read into ends the load at once, MISSED. Raises (nothing
+        held) :class:`~kvoffload.StorageError` without a storage tier,
+        :class:`~kvoffload.ConfigError` under a TP group (loads are not supported there
+        yet), :class:`~kvoffload.InvalidTokens`, :class:`~kvoffload.PageError` (see
+        ``OffloadCore.load_begin``)."""
+        if self._tp is not None:
+            self._check_owner("load()")
+            raise ConfigError(
+                "load() under a tensor-parallel group (group=) is not supported: each rank's load "
+                "would need its shard's keys and an agreed count; load on a manager without a group"
+            )
+        ld = self._begin_load("load()", tokens, device_pages, chain_seed, skip_pages, rid, tag)
+        if ld.done:  # no host pages to read into: a miss
+            return ld
+        writer, storage = self._writer, self.storage
+        assert writer is not None and storage is not None
+        views = load_buffers(self.host_pool, ld.host_pages)
+        try:
+            future = writer.submit(storage.get_into(ld.keys, views))
+        except BaseException as exc:  # the writer is stopped: the read failed at once
+            self.core.load_read(ld, 0, exc)
+            return ld
+        finally:
+            del views
+        self._reads.append((ld, future))
+        return ld
+
+    def _reads_done(self) -> None:
+        """Report every finished store read to the core, in start order (a copy of the
+        pages read is submitted; the next :meth:`backend.launch` starts it)."""
+        left: list[tuple[Load, concurrent.futures.Future[int]]] = []
+        for ld, future in self._reads:
+            if not future.done():
+                left.append((ld, future))
+                continue
+            error = future.exception()
+            n = 0 if error is not None else future.result()
+            if error is None and type(n) is not int:
+                error = KVOffloadError(f"{self.storage!r}.get_into returned {n!r}, not a page count")
+                n = 0
+            self.core.load_read(ld, min(n, len(ld.keys)), error)
+        self._reads = left
+
+    def wait_loaded(self, load: Load, timeout: float | None = None) -> Load:
+        """Poll until ``load`` is DONE and return it (``load.outcome`` says how it
+        ended); :class:`~kvoffload.DrainTimeout` after ``timeout`` seconds (``None``: for
+        ever). A load of another manager raises :class:`~kvoffload.KVOffloadError` at once."""
+        self._check_open("wait_loaded()")
+        self._check_load(load, "wait_loaded")
+        timeout = check_timeout("wait_loaded()", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done, errors = self._until_end(lambda: load.done, deadline, WAIT)
+        if not done:
+            raise DrainTimeout(f"{load!r} was not done within {timeout}s") from (
+                first_error(errors, "wait_loaded()") if errors else None
+            )
+        if errors:
+            raise first_error(errors, f"wait_loaded(), which completed: {load!r} is done")
+        return load
 
     # --- storage reads -------------------------------------------------------------------
 

@@ -8,6 +8,11 @@
   own HiCache reads, written through SGLang's ``HiCacheStorage``; SGLang is imported
   there lazily, only when that storage is built.
 
+- :mod:`kvoffload.integrations.vllm`: ``KVOffloadConnector``, a vLLM KV connector
+  (imports vLLM); its two sides on plain data, without vLLM, in ``vllm_plan`` (the
+  scheduler's lifecycles), ``vllm_worker`` (the movers), ``vllm_messages``,
+  ``vllm_settings`` and ``vllm_keys``.
+
 No engine module is imported at import time: an integration works with the engine's
 objects it is handed (duck-typed) and is tested with SGLang's real classes where they
 run on a CPU, and with fakes shaped like them.

@@ -17,14 +17,14 @@ One config line, nothing else in vLLM changes::
         ),
     )
 
-``kv_connector_extra_config`` keys (:class:`~kvoffload.integrations.vllm_plan.Settings`;
+``kv_connector_extra_config`` keys (:class:`~kvoffload.integrations.vllm_settings.Settings`;
 an unknown key is refused):
 
 - ``storage`` (required): a directory (``"kv-store/"``, ``"file:///..."``), a
   ``redis://`` URL, or ``"memory"`` (one process only);
 - ``namespace``: seeds every page key; another namespace's pages are invisible (F22);
 - ``host_pages``: host staging pages per worker, shared by stores and loads (default a
-  quarter of vLLM's blocks, 64 to 4096);
+  quarter of vLLM's blocks, 64 to 4096, at most 1 GiB);
 - ``stride``: tokens per copy while decoding, a multiple of the block size (default one
   block: each block goes out as soon as it is full);
 - ``lookup_timeout_s`` (5): the most one store lookup waits (then a miss);
@@ -41,8 +41,8 @@ which decides every copy, storage write and load, and when vLLM may have a reque
 blocks back; it asks the store only how many leading pages it has. The worker side
 (role WORKER, each rank) is a :class:`~kvoffload.integrations.vllm_worker.Mover`: vLLM's
 KV tensors, the host pool, the copier, the storage writer and the load thread. Between
-them travel plain data only: a :class:`~kvoffload.integrations.vllm_plan.StepPlan` in
-the connector metadata, a :class:`~kvoffload.integrations.vllm_plan.RankReport` in the
+them travel plain data only: a :class:`~kvoffload.integrations.vllm_messages.StepPlan` in
+the connector metadata, a :class:`~kvoffload.integrations.vllm_messages.RankReport` in the
 worker metadata (vLLM merges the ranks' with :meth:`KVOffloadWorkerMetadata.aggregate`;
 a job counts done when every rank reported it), ``finished_sending`` /
 ``finished_recving`` and the blocks of failed loads. Page size is vLLM's block size;
@@ -103,7 +103,9 @@ from vllm.v1.request import RequestStatus
 
 from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm_plan import Planner, RankReport, Settings, StepPlan
+from kvoffload.integrations.vllm_messages import RankReport, StepPlan
+from kvoffload.integrations.vllm_plan import Planner
+from kvoffload.integrations.vllm_settings import Settings
 from kvoffload.integrations.vllm_worker import Mover, block_tensors, open_store, rank_stores
 from kvoffload.pools import HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy
@@ -195,6 +197,10 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert kv_cache_config is not None
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        # host pages: the same number on the scheduler and on every worker
+        self.host_pages = self.settings.host_pages_for(
+            self.num_blocks, int(spec.page_size_bytes) * len(self.layer_names)
+        )
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
@@ -212,7 +218,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.planner = Planner(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                host_pages=self.settings.host_pages_for(self.num_blocks),
+                host_pages=self.host_pages,
                 lookup=self._lookup,
                 world_size=self.tp_size,
                 stride=self.settings.stride,
@@ -307,7 +313,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.mover = Mover(
             tensors,
             block_size=self.block_size,
-            host_pages=self.settings.host_pages_for(self.num_blocks),
+            host_pages=self.host_pages,
             storage=store,
             io_timeout_s=self.settings.io_timeout_s,
         )

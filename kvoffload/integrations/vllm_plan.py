@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload.abc import Transfer, TransferId
@@ -52,6 +51,8 @@ from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
 from kvoffload.errors import BackendError, ConfigError, KVOffloadError, StorageError
 from kvoffload.integrations.vllm_keys import page_keys, refusal, request_seed
+from kvoffload.integrations.vllm_messages import CopyJob, LoadJob, RankReport, StepPlan, WriteOrder
+from kvoffload.integrations.vllm_settings import SETTING_KEYS, Settings
 from kvoffload.lifecycle.load_spec import LoadOutcome
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.pools import EnginePages, HostPool
@@ -68,190 +69,6 @@ __all__ = [
 ]
 
 _RELEASED = LifecycleState.RELEASED
-
-
-# --- what travels between the scheduler and the workers (plain, picklable) -------------
-
-
-@dataclass(slots=True)
-class CopyJob:
-    """A device -> host copy of whole pages (a core :class:`~kvoffload.abc.Transfer`):
-    vLLM block ids, host page ids, the pages' keys. A worker copies it after the step's
-    forward wrote the blocks (``wait_for_save``), never before (F19)."""
-
-    id: int
-    device_pages: list[int]
-    host_pages: list[int]
-    keys: list[str]
-    lifecycle_id: int
-    first_token: int
-
-
-@dataclass(slots=True)
-class WriteOrder:
-    """Host pages a finished copy filled, to be written to the store under ``keys``
-    (a core :class:`~kvoffload.abc.WriteJob`)."""
-
-    id: int
-    host_pages: list[int]
-    keys: list[str]
-    lifecycle_id: int
-    first_token: int
-
-
-@dataclass(slots=True)
-class LoadJob:
-    """Pages to read from the store (``keys``) into host pages and copy into vLLM's
-    blocks ``device_pages`` (one fused job on each worker). ``req_id`` is what the
-    worker reports in ``finished_recving`` once no copy of it writes a block."""
-
-    id: int
-    req_id: str
-    keys: list[str]
-    device_pages: list[int]
-    host_pages: list[int]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """The connector metadata of one step, from the scheduler to every worker.
-
-    ``flush``: copy ids a worker must see finished before this step's forward (their
-    request was preempted: its blocks may be reused by this step). ``cancels``: load ids
-    whose request was aborted (skip what has not been copied yet). ``release``: request
-    ids whose last copy is delivered: each worker reports them in ``finished_sending``
-    this step, and vLLM frees their blocks."""
-
-    copies: list[CopyJob] = field(default_factory=list)
-    writes: list[WriteOrder] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-    cancels: list[int] = field(default_factory=list)
-    flush: list[int] = field(default_factory=list)
-    release: list[str] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.copies or self.writes or self.loads or self.cancels or self.flush or self.release)
-
-
-@dataclass(slots=True)
-class RankReport:
-    """What one or more workers did since their last report (plain data).
-
-    ``copies[id] = (ranks, error)``, ``writes[id] = (ranks, stored, error)``,
-    ``loads[id] = (ranks, pages_loaded, error)``: ``ranks`` counts the workers that
-    reported the job (1 from one worker; :meth:`merge` adds them up), ``error`` is the
-    first failure's text or ``None``, ``stored`` holds only if every rank stored its
-    shard, ``pages_loaded`` is the fewest leading pages any rank loaded."""
-
-    copies: dict[int, tuple[int, str | None]] = field(default_factory=dict)
-    writes: dict[int, tuple[int, bool, str | None]] = field(default_factory=dict)
-    loads: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
-
-    def merge(self, other: RankReport) -> RankReport:
-        """Both reports as one (vLLM aggregates its workers' outputs this way)."""
-        copies = dict(self.copies)
-        for k, (n, e) in other.copies.items():
-            m, f = copies.get(k, (0, None))
-            copies[k] = (m + n, f if f is not None else e)
-        writes = dict(self.writes)
-        for k, (n, s, e) in other.writes.items():
-            if k in writes:
-                m, t, f = writes[k]
-                writes[k] = (m + n, t and s, f if f is not None else e)
-            else:
-                writes[k] = (n, s, e)
-        loads = dict(self.loads)
-        for k, (n, p, e) in other.loads.items():
-            if k in loads:
-                m, q, f = loads[k]
-                loads[k] = (m + n, min(p, q), f if f is not None else e)
-            else:
-                loads[k] = (n, p, e)
-        return RankReport(copies, writes, loads)
-
-    def __bool__(self) -> bool:
-        return bool(self.copies or self.writes or self.loads)
-
-
-# --- the connector's settings (kv_connector_extra_config) ----------------------------
-
-#: The keys of ``kv_connector_extra_config`` the connector reads (all optional but
-#: ``storage``); anything else is refused, so a typo is an error, not a silent default.
-SETTING_KEYS = (
-    "storage",
-    "namespace",
-    "host_pages",
-    "stride",
-    "lookup_timeout_s",
-    "io_timeout_s",
-    "tp_keys",
-    "on_load_error",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """``kv_connector_extra_config``, checked (:meth:`from_extra`)."""
-
-    storage: Any
-    """Where pages go: a directory (``"kv-store/"``, ``file://...``), a ``redis://`` URL,
-    ``"memory"`` (this process only: a test's), or a :class:`~kvoffload.abc.Storage`."""
-    namespace: str | None = None
-    """The deployment's namespace (model, tenant): seeds every key (F22)."""
-    host_pages: int | None = None
-    """Host staging pages per worker, for stores and loads (default: a quarter of
-    vLLM's blocks, at least 64, at most 4096)."""
-    stride: int | None = None
-    """Tokens per copy while decoding, a multiple of the block size (default one block)."""
-    lookup_timeout_s: float = 5.0
-    """The most one store lookup (``get_num_new_matched_tokens``) waits: then a miss."""
-    io_timeout_s: float = 30.0
-    """The most one load's read, or the preemption fence, waits."""
-    tp_keys: str = "rank"
-    """Under tensor parallelism each rank stores its shard under its own keys."""
-    on_load_error: str = "recompute"
-    """``"recompute"``: the connector sets vLLM's ``kv_load_failure_policy`` to
-    ``"recompute"``, so a failed load costs recompute (F38); ``"fail"``: vLLM's policy
-    as configured (its default fails the request)."""
-
-    @classmethod
-    def from_extra(cls, extra: Any) -> Settings:
-        """The settings of ``kv_connector_extra_config`` (a mapping); raises
-        :class:`~kvoffload.ConfigError` naming a missing, unknown or bad key."""
-        if not isinstance(extra, dict):
-            raise ConfigError(f"kv_connector_extra_config must be a dict, got {type(extra).__name__}")
-        unknown = sorted(set(extra) - set(SETTING_KEYS))
-        if unknown:
-            raise ConfigError(
-                f"KVOffloadConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"known: {list(SETTING_KEYS)}"
-            )
-        if extra.get("storage") in (None, ""):
-            raise ConfigError(
-                'KVOffloadConnector needs kv_connector_extra_config={"storage": <a directory or URL>, ...}'
-            )
-        ns = extra.get("namespace")
-        if ns is not None and (not isinstance(ns, str) or not ns):
-            raise ConfigError(f"namespace must be a non-empty str or None, got {ns!r}")
-        for key in ("host_pages", "stride"):
-            v = extra.get(key)
-            if v is not None and (type(v) is not int or v <= 0):
-                raise ConfigError(f"{key} must be a positive int or None, got {v!r}")
-        for key in ("lookup_timeout_s", "io_timeout_s"):
-            v = extra.get(key, 5.0)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
-                raise ConfigError(f"{key} must be a finite number > 0 (nothing waits for ever), got {v!r}")
-        if extra.get("tp_keys", "rank") != "rank":
-            raise ConfigError(
-                f"tp_keys must be 'rank' (each rank stores its own shard), got {extra['tp_keys']!r}"
-            )
-        if extra.get("on_load_error", "recompute") not in ("recompute", "fail"):
-            raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {extra['on_load_error']!r}")
-        return cls(**{k: extra[k] for k in SETTING_KEYS if k in extra})
-
-    def host_pages_for(self, num_blocks: int) -> int:
-        """Host pages for stores, given vLLM's number of blocks."""
-        return self.host_pages if self.host_pages is not None else max(64, min(4096, num_blocks // 4))
 
 
 # --- the scheduler's records ---------------------------------------------------------

@@ -7,8 +7,8 @@ page = one vLLM block, every layer), the real host pool, a kvoffload copy backen
 (:class:`~kvoffload.backends.CpuBackend` for a CPU engine), the storage writer
 (:class:`~kvoffload.storage.writer.ThreadWriter`, whose event loop also serves the
 loads' reads) and one load thread. It does what the scheduler's
-:class:`~kvoffload.integrations.vllm_plan.StepPlan` says and reports back plain data
-(:class:`~kvoffload.integrations.vllm_plan.RankReport`, the request ids of finished
+:class:`~kvoffload.integrations.vllm_messages.StepPlan` says and reports back plain data
+(:class:`~kvoffload.integrations.vllm_messages.RankReport`, the request ids of finished
 loads and releases, and the blocks of failed loads).
 
 When each job runs (vLLM's step on a worker: ``handle_preemptions``, ``start_load_kv``,
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload.abc import Storage, Transfer, WriteChain, WriteJob
 from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm_plan import LoadJob, RankReport, StepPlan
+from kvoffload.integrations.vllm_messages import LoadJob, RankReport, StepPlan
 from kvoffload.pools import EnginePages, HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy
 
@@ -169,6 +169,7 @@ class Mover:
         self._report = RankReport()
         self._fenced: StepPlan | None = None
         self._started: StepPlan | None = None
+        self._saved: StepPlan | None = None
         # Loads: the thread posts (job, pages, error) to _loaded under _lock;
         # _cancelled holds the ids whose copy must not start.
         self._lock = threading.Lock()
@@ -223,6 +224,8 @@ class Mover:
                     chain = self._chains[w.lifecycle_id] = WriteChain()
                     while len(self._chains) > _CHAINS:
                         self._chains.popitem(last=False)
+                else:
+                    self._chains.move_to_end(w.lifecycle_id)
                 jobs.append(
                     WriteJob(
                         w.id,
@@ -244,9 +247,11 @@ class Mover:
             self._loader.submit(self._load, job)
 
     def save(self, plan: StepPlan, ready: Any = None) -> None:
-        """``wait_for_save``: start the plan's copies of blocks (the forward wrote them)."""
-        if not plan.copies:
+        """``wait_for_save``: start the plan's copies of blocks (the forward wrote them);
+        once per plan."""
+        if not plan.copies or self._saved is plan:
             return
+        self._saved = plan
         issuer = SimpleNamespace(id=0, rid=None, tag=None)
         for job in plan.copies:
             issuer.id = job.lifecycle_id

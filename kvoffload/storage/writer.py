@@ -30,6 +30,7 @@ not stored after 0 attempts, their host pages return, and the core counts them a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import threading
@@ -219,7 +220,8 @@ class ThreadWriter(threading.Thread):
     """The sync driver's writer: a thread running an event loop of its own. ``put``
     hands jobs over and ``take_results`` collects what finished, both without blocking
     (owner thread); ``call`` runs a storage coroutine (``lookup``, ``fetch``) there and
-    waits for it. The store's connections belong to this thread's loop."""
+    waits for it, ``submit`` runs one there without waiting (a load's read). The store's
+    connections belong to this thread's loop."""
 
     def __init__(self, storage: Storage, pool: HostPool, policy: WritePolicy) -> None:
         super().__init__(name="kvoffload.storage-writer", daemon=True)
@@ -312,6 +314,16 @@ class ThreadWriter(threading.Thread):
             coro.close()
             raise KVOffloadError("the storage writer is stopped")
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        """Run ``coro`` on this thread's loop (a load's store read); return its future at
+        once, never blocking (owner thread). Raises :class:`~kvoffload.KVOffloadError`
+        once stopped (``coro`` closed, never run)."""
+        loop = self._loop
+        if self._halted or loop is None:
+            coro.close()
+            raise KVOffloadError("the storage writer is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
     def stop(self) -> None:
         """Write what was handed over, then close the store and end the thread."""

@@ -166,8 +166,14 @@ def _parser() -> argparse.ArgumentParser:
         help="kvoffload events at or above this level go to stderr (%(default)s)",
     )
 
-    g = sub.add_parser("graph", help="draw the lifecycle state graph from its declaration")
+    g = sub.add_parser("graph", help="draw a lifecycle's state graph from its declaration")
     g.add_argument("--format", choices=FORMATS, default="mermaid")
+    g.add_argument(
+        "--lifecycle",
+        choices=("offload", "load"),
+        default="offload",
+        help="offload: a request's offload (default); load: the way back, store -> host -> device pages",
+    )
     g.add_argument("--output", "-o", type=Path, metavar="PATH", help="write here instead of stdout")
     return p
 
@@ -216,12 +222,12 @@ def _fail(code: int, message: str) -> int:
 
 def _graph(args: argparse.Namespace) -> int:
     from kvoffload.errors import MissingDependency
-    from kvoffload.tools.graph import render
+    from kvoffload.tools.graph import LIFECYCLES, render
 
     if args.output is not None and not args.output.parent.is_dir():
         return _fail(EXIT_USAGE, f"--output: directory {args.output.parent} does not exist")
     try:
-        out = render(args.format)
+        out = render(args.format, LIFECYCLES[args.lifecycle])
     except MissingDependency as exc:
         return _fail(EXIT_MISSING, str(exc))
     if args.output is not None:

@@ -1,4 +1,8 @@
-"""The lifecycle drawn from its one declaration: mermaid, graphviz dot, svg / png.
+"""The lifecycles drawn from their one declaration: mermaid, graphviz dot, svg / png.
+
+Two lifecycles are declared: the offload lifecycle (``SPEC``, the default everywhere
+here) and the load lifecycle (``LOAD_SPEC``: store -> host pool -> device pages; pass
+it as ``spec``, or ``kvoffload graph --lifecycle load``).
 
 Every drawing goes through ``transitions``' diagram support
 (:class:`transitions.extensions.diagrams.GraphMachine`), built from the same
@@ -19,21 +23,37 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.errors import MissingDependency
+from kvoffload.lifecycle.load_spec import LOAD_SPEC, LoadSpec, LoadState
+from kvoffload.lifecycle.load_table import build_load_machine
 from kvoffload.lifecycle.spec import SPEC, LifecycleSpec, LifecycleState
 from kvoffload.lifecycle.table import build_machine
 
 if TYPE_CHECKING:
     from kvoffload.core.lifecycle import Lifecycle
 
-__all__ = ["FORMATS", "Highlight", "draw_matplotlib", "dot", "edges", "highlight_of", "mermaid", "render"]
+__all__ = [
+    "FORMATS",
+    "LIFECYCLES",
+    "Highlight",
+    "draw_matplotlib",
+    "dot",
+    "edges",
+    "highlight_of",
+    "mermaid",
+    "render",
+]
 
 #: Output formats of :func:`render` (and ``kvoffload graph --format``).
 FORMATS = ("mermaid", "dot", "svg", "png")
 
+#: The declared lifecycles by name (``kvoffload graph --lifecycle``).
+LIFECYCLES: dict[str, LifecycleSpec | LoadSpec] = {"offload": SPEC, "load": LOAD_SPEC}
+
 #: State -> labels of the lifecycles in it (e.g. ``{"OFFLOADING": ["#1 r1"]}``).
-Highlight = Mapping[LifecycleState | str, Iterable[str]]
+Highlight = Mapping[LifecycleState | LoadState | str, Iterable[str]]
 
 _TITLE = "kvoffload lifecycle"
+_LOAD_TITLE = "kvoffload load lifecycle"
 _GRAPHVIZ_HINT = (
     "install the graphviz extra (pip install 'kvoffload[graph]') and Graphviz's dot program "
     "(apt-get install graphviz, brew install graphviz, or https://graphviz.org/download/); "
@@ -41,7 +61,7 @@ _GRAPHVIZ_HINT = (
 )
 
 
-def _graph_machine(spec: LifecycleSpec, engine: str) -> Any:
+def _graph_machine(spec: LifecycleSpec | LoadSpec, engine: str) -> Any:
     """A ``GraphMachine`` of the declaration, with one model whose graph we draw."""
     from transitions.extensions.diagrams import GraphMachine
 
@@ -49,6 +69,11 @@ def _graph_machine(spec: LifecycleSpec, engine: str) -> Any:
         pass
 
     model = _Model()
+    if isinstance(spec, LoadSpec):
+        build_load_machine(
+            spec, model=model, machine_cls=GraphMachine, graph_engine=engine, title=_LOAD_TITLE
+        )
+        return model
     build_machine(
         spec,
         model=model,
@@ -60,19 +85,18 @@ def _graph_machine(spec: LifecycleSpec, engine: str) -> Any:
     return model
 
 
-def _norm(highlight: Highlight | None) -> dict[str, list[str]]:
+def _norm(highlight: Highlight | None, spec: LifecycleSpec | LoadSpec = SPEC) -> dict[str, list[str]]:
+    names = [s.name for s in spec.states]
     out: dict[str, list[str]] = {}
     for state, labels in (highlight or {}).items():
-        name = state.name if isinstance(state, LifecycleState) else str(state)
-        if name not in LifecycleState.__members__:
-            raise ValueError(
-                f"unknown state {name!r} in highlight; states are {list(LifecycleState.__members__)}"
-            )
+        name = state.name if isinstance(state, (LifecycleState, LoadState)) else str(state)
+        if name not in names:
+            raise ValueError(f"unknown state {name!r} in highlight; states are {names}")
         out[name] = list(labels)
     return out
 
 
-def mermaid(spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> str:
+def mermaid(spec: LifecycleSpec | LoadSpec = SPEC, highlight: Highlight | None = None) -> str:
     """The lifecycle as a mermaid ``stateDiagram-v2`` (as drawn by ``transitions``).
 
     Guards read ``[idle]`` etc. (see ``kvoffload.lifecycle.spec.GUARDS``). States in
@@ -80,7 +104,7 @@ def mermaid(spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> s
     state is marked.
     """
     text = _graph_machine(spec, "mermaid").get_graph().draw(None)
-    marks = _norm(highlight)
+    marks = _norm(highlight, spec)
     lines = []
     for line in text.splitlines():
         stripped = line.strip()
@@ -99,13 +123,13 @@ def mermaid(spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> s
     return "\n".join(lines).strip() + "\n"
 
 
-def _digraph(spec: LifecycleSpec, highlight: Highlight | None) -> Any:
+def _digraph(spec: LifecycleSpec | LoadSpec, highlight: Highlight | None) -> Any:
     try:
         import graphviz  # noqa: F401 - transitions imports it; fail here with the hint
     except ImportError:
         raise MissingDependency(f"drawing dot/svg/png needs the graphviz package: {_GRAPHVIZ_HINT}") from None
     graph = _graph_machine(spec, "graphviz").get_graph()
-    marks = _norm(highlight)
+    marks = _norm(highlight, spec)
     for state in spec.states:
         name = state.name
         if marks.get(name):
@@ -121,13 +145,15 @@ def _digraph(spec: LifecycleSpec, highlight: Highlight | None) -> Any:
     return graph
 
 
-def dot(spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> str:
+def dot(spec: LifecycleSpec | LoadSpec = SPEC, highlight: Highlight | None = None) -> str:
     """The lifecycle as graphviz dot source (needs the ``graphviz`` Python package only)."""
     source: str = _digraph(spec, highlight).source.replace("[guard_", "[")
     return source
 
 
-def render(fmt: str, spec: LifecycleSpec = SPEC, highlight: Highlight | None = None) -> str | bytes:
+def render(
+    fmt: str, spec: LifecycleSpec | LoadSpec = SPEC, highlight: Highlight | None = None
+) -> str | bytes:
     """The lifecycle in ``fmt`` (one of :data:`FORMATS`): text for mermaid/dot, bytes
     for svg/png. Raises :class:`~kvoffload.MissingDependency` naming what to install,
     ``ValueError`` for an unknown format."""
@@ -154,21 +180,35 @@ def highlight_of(lifecycles: Iterable[Lifecycle]) -> dict[str, list[str]]:
     return out
 
 
-def edges(spec: LifecycleSpec = SPEC) -> dict[tuple[str, str], list[str]]:
-    """(source, dest) -> the labels ``event [guard]`` of every declared transition."""
+def edges(spec: LifecycleSpec | LoadSpec = SPEC) -> dict[tuple[str, str], list[str]]:
+    """(source, dest) -> the labels ``event [guard]`` of every declared transition (the
+    load lifecycle has no guards: ``event``)."""
     out: dict[tuple[str, str], list[str]] = {}
     for t in spec.transitions:
-        label = t.event if t.guard is None else f"{t.event} [{t.guard}]"
+        guard = getattr(t, "guard", None)
+        label = t.event if guard is None else f"{t.event} [{guard}]"
         out.setdefault((t.source.name, t.dest.name), []).append(label)
     return out
 
 
 # Where draw_matplotlib puts each state (x, y): the happy path left to right.
-_LAYOUT = {"PENDING": (0.0, 0.0), "OFFLOADING": (1.0, 0.8), "FINISHING": (2.0, 0.0), "RELEASED": (3.0, 0.0)}
+_LAYOUT = {
+    "PENDING": (0.0, 0.0),
+    "OFFLOADING": (1.0, 0.8),
+    "FINISHING": (2.0, 0.0),
+    "RELEASED": (3.0, 0.0),
+    "READING": (0.0, 0.0),
+    "COPYING": (1.5, 0.8),
+    "CANCELLING": (1.5, -0.5),
+    "DONE": (3.0, 0.0),
+}
 
 
 def draw_matplotlib(
-    spec: LifecycleSpec = SPEC, highlight: Highlight | None = None, ax: Any = None, labels: bool = True
+    spec: LifecycleSpec | LoadSpec = SPEC,
+    highlight: Highlight | None = None,
+    ax: Any = None,
+    labels: bool = True,
 ) -> Any:
     """Draw the lifecycle on a matplotlib axis (created if ``ax`` is None) and return it.
 
@@ -182,7 +222,7 @@ def draw_matplotlib(
         raise MissingDependency("draw_matplotlib needs matplotlib: pip install matplotlib") from None
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 4.5))
-    marks = _norm(highlight)
+    marks = _norm(highlight, spec)
     for (src, dst), names in edges(spec).items():
         (x0, y0), (x1, y1) = _LAYOUT[src], _LAYOUT[dst]
         text = "\n".join(names) if labels else ""

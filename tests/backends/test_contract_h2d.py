@@ -138,12 +138,3 @@ async def test_h2d_submit_refuses_a_transfer_it_cannot_copy(harness: Harness) ->
     [(tid, err)] = await h.collect(1)
     assert tid == ok.id and err is None and h.backend.signalled == 1
     assert torch.equal(h.device_bytes([5]), h.host_bytes([6]))
-
-
-def test_a_transfer_direction_is_d2h_or_h2d() -> None:
-    """Transfer(direction=...) takes "d2h" (the default) or "h2d"; anything else is a
-    BackendError naming both."""
-    owner = _Load(1)
-    assert Transfer(owner, [0], [0], [], 0, 4, 0.0).direction == "d2h"
-    with pytest.raises(kvo.BackendError, match="'d2h' or 'h2d'"):
-        Transfer(owner, [0], [0], [], 0, 4, 0.0, direction="up")

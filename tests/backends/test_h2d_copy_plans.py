@@ -16,6 +16,7 @@ import pytest
 import torch
 from support import PlainIssuer
 
+import kvoffload as kvo
 from kvoffload.abc import Transfer
 from kvoffload.backends._cuda import queue_copy, queue_copy_h2d
 from kvoffload.backends._threaded import copy_transfer_pages
@@ -63,3 +64,12 @@ def test_a_page_copied_out_and_back_has_its_bytes_in_the_new_device_page(plan: s
             assert _page(tensors, d) == before[s]
         for p in set(range(16)) - set(dst):
             assert _page(tensors, p) == before[p]
+
+
+def test_a_transfer_direction_is_d2h_or_h2d() -> None:
+    """Transfer(direction=...) takes "d2h" (the default) or "h2d"; anything else is a
+    BackendError naming both."""
+    owner = PlainIssuer()
+    assert Transfer(owner, [0], [0], [], 0, 4, 0.0).direction == "d2h"
+    with pytest.raises(kvo.BackendError, match="'d2h' or 'h2d'"):
+        Transfer(owner, [0], [0], [], 0, 4, 0.0, direction="up")

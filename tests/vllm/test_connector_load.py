@@ -244,6 +244,7 @@ def test_settings_refuse_what_is_not_a_setting() -> None:
         Settings.from_extra({"storage": "x/", "lookup_timeout_s": float("inf")})
     s = Settings.from_extra({"storage": "x/", "namespace": "n", "host_pages": 8})
     assert (s.namespace, s.host_pages_for(10_000), Settings("x/").host_pages_for(100)) == ("n", 8, 64)
+    assert Settings("x/").host_pages_for(100_000, 1 << 20) == 1024  # at most 1 GiB by default
 
 
 def test_rank_reports_merge_as_vllm_aggregates_them() -> None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 from connector_fakes import BS, FakeRequest, Rig, kv_value
 
+from kvoffload.abc import Transfer
 from kvoffload.integrations.vllm_keys import page_keys, request_seed
 from kvoffload.storage.memory import MemoryStorage
 
@@ -112,22 +113,41 @@ def test_request_finished_is_false_when_no_copy_reads_the_blocks(rig: Rig) -> No
 
 def test_a_copy_is_submitted_after_the_forward_wrote_the_block(store: MemoryStorage) -> None:
     """F19: the plan of a step carries copies of the blocks that step computes; the
-    worker starts them only in wait_for_save (after the forward): what is stored equals
-    the KV computed for those tokens, never the zeros the block held before."""
+    worker submits none of them before the forward (handle_preemptions and
+    start_load_kv run before it) and all of them in wait_for_save; what is stored is the
+    KV the forward computed, never the zeros the block held before."""
     rig = Rig(store)
+    mover = rig.movers[0]
+    submitted: list[object] = []
+    submit = mover.backend.submit
+
+    def spy(t: Transfer) -> None:
+        submitted.append(t)
+        submit(t)
+
+    mover.backend.submit = spy  # type: ignore[method-assign]
     try:
         req = FakeRequest("r", range(400, 404))
         rig.add(req)
-        rig.step()
+        rig._alloc("r", 4)
+        plan = rig.planner.step([("r", 4)], lambda rid: rig.blocks[rid])
+        assert len(plan.copies) == 1
+        mover.fence(plan)
+        mover.start(plan)
+        assert submitted == []  # before the forward: nothing may read the block
+        b = rig.blocks["r"][0]
+        for layer, kv in enumerate(rig.kv[0]):  # the forward
+            for p in range(4):
+                kv[b, :, p, :] = kv_value(req.all_token_ids, p, 0, layer)
+        mover.save(plan)
+        assert len(submitted) == 1
+        req.num_computed_tokens = 4
         rig.settle()
         import asyncio
 
         (page,) = asyncio.run(store.get(_keys(req, 1)))
-        assert page is not None
-        first = kv_value(req.all_token_ids, 0, 0, 0)
-        import struct
-
-        assert struct.unpack_from("<f", page, 0)[0] == first
+        assert page == b"".join(t.numpy().tobytes() for t in rig.block_kv(0, b))
+        assert any(page[i] for i in range(len(page)))
     finally:
         rig.close()
 

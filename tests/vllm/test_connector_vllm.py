@@ -297,3 +297,46 @@ def test_refused_at_construction(model_dir: Path, tmp_path: Path) -> None:
         assert c.requires_kv_delivery is False
     finally:
         c.shutdown()
+
+
+def test_preemption_through_the_real_hooks_fences_the_copy(engines: tuple[Any, Path]) -> None:
+    """A request preempted with a copy in flight (vLLM's KVCacheManager frees its
+    blocks): build_connector_meta with the real SchedulerOutput's preempted_req_ids
+    fences that copy, handle_preemptions returns only once it finished, and nothing of
+    the aborted lifecycle is stored."""
+    import threading
+
+    cfg, store = engines
+    e = Engine(cfg)
+    go = threading.Event()
+    mover = e.work.mover
+    assert mover is not None
+
+    def hold(t: object) -> None:
+        assert go.wait(30)
+
+    mover.backend.hooks.before = hold  # type: ignore[attr-defined]
+    try:
+        req = e.add("a", [(3 * i) % 300 + 1 for i in range(40)])  # one whole block + 8
+        e.manager.allocate_slots(req, 40)
+        first = e.step({"a": 40})
+        (copy,) = first.plan.copies
+        e.manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        so = SchedulerOutput.make_empty()
+        so.preempted_req_ids = {"a"}
+        meta = e.sched.build_connector_meta(so)
+        assert isinstance(meta, KVOffloadConnectorMetadata) and meta.plan.flush == [copy.id]
+        done: list[str] = []
+        fence = threading.Thread(target=lambda: (e.work.handle_preemptions(meta), done.append("fenced")))
+        fence.start()
+        assert fence.is_alive()  # the copy is held: the fence waits for it
+        go.set()
+        fence.join(30)
+        assert done == ["fenced"]
+        e.settle()
+        assert [p for p in store.rglob("*") if p.is_file()] == []  # the aborted chunk: never stored
+        assert e.sched.planner is not None and not e.sched.planner.busy
+    finally:
+        go.set()
+        e.close()
