@@ -181,6 +181,8 @@ def main(spec_path: str, result_path: str) -> None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     llm = LLM(**kwargs)
     result: dict[str, Any] = {"startup_s": time.monotonic() - t0, "requests": {}, "phases": {}, "aborts": {}}
+    # vLLM's CPU worker binds its threads to cores: what this process may run on now
+    result["cpus"] = sorted(os.sched_getaffinity(0))
     sched = _scheduler(llm)
     if sched is not None:
         conn = getattr(sched, "connector", None)
