@@ -34,6 +34,10 @@ an unknown key is refused):
 - ``on_load_error`` (``"recompute"``): the connector sets vLLM's
   ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``, fails the
   request when a load fails); ``"fail"`` leaves vLLM's policy as configured.
+- ``loads`` (``"auto"``): where a worker runs a load's read and copy: ``"inline"`` in
+  ``start_load_kv`` (the step that hands it over reports it), ``"thread"`` on a load
+  thread; ``"auto"``: inline where the KV is in host memory (vLLM's CPU build), a thread
+  on a GPU (see :attr:`~kvoffload.integrations.vllm_settings.Settings.loads`).
 
 What runs where. The scheduler side (role SCHEDULER, the EngineCore process) is a
 :class:`~kvoffload.integrations.vllm_plan.Planner`: one kvoffload lifecycle per request,
@@ -316,6 +320,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             host_pages=self.host_pages,
             storage=store,
             io_timeout_s=self.settings.io_timeout_s,
+            inline_loads={"auto": None, "inline": True, "thread": False}[self.settings.loads],
         )
 
     def _worker_plan(self) -> StepPlan | None:

@@ -23,6 +23,7 @@ SETTING_KEYS = (
     "io_timeout_s",
     "tp_keys",
     "on_load_error",
+    "loads",
 )
 
 
@@ -50,6 +51,16 @@ class Settings:
     """``"recompute"``: the connector sets vLLM's ``kv_load_failure_policy`` to
     ``"recompute"``, so a failed load costs recompute (F38); ``"fail"``: vLLM's policy
     as configured (its default fails the request)."""
+    loads: str = "auto"
+    """Where a worker runs a load's store read and copy into vLLM's blocks: ``"inline"``
+    (in the step that hands it over, in ``start_load_kv``, after that step's forward was
+    launched: the engine thread waits for it), ``"thread"`` (on a load thread of its
+    own, reported in a later step), or ``"auto"``: inline where the KV is in host memory
+    (vLLM's CPU build), a thread where it is on a GPU. Why inline on a CPU: there the
+    engine loop keeps stepping while a request waits for its load, holding the GIL, and a
+    load thread's many hand-offs of the GIL made one 100 MB load take 1.4 s instead of
+    tens of ms (``benchmarks/bench_vllm.py``); on a CPU the read and the copy compete
+    for the same cores as the forward anyway."""
 
     @classmethod
     def from_extra(cls, extra: Any) -> Settings:
@@ -84,6 +95,8 @@ class Settings:
             )
         if extra.get("on_load_error", "recompute") not in ("recompute", "fail"):
             raise ConfigError(f"on_load_error must be 'recompute' or 'fail', got {extra['on_load_error']!r}")
+        if extra.get("loads", "auto") not in ("auto", "inline", "thread"):
+            raise ConfigError(f"loads must be 'auto', 'inline' or 'thread', got {extra['loads']!r}")
         return cls(**{k: extra[k] for k in SETTING_KEYS if k in extra})
 
     def host_pages_for(self, num_blocks: int, page_bytes: int = 0) -> int:

@@ -145,6 +145,7 @@ class Mover:
         policy: WritePolicy | None = None,
         io_timeout_s: float = 30.0,
         backend: EventBackend | None = None,
+        inline_loads: bool | None = None,
     ) -> None:
         from kvoffload.backends import resolve_backend
 
@@ -180,6 +181,10 @@ class Mover:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
+        # inline_loads: a plan's loads run in start() on the calling (engine) thread, not
+        # on the load thread (the ``loads`` setting; None: inline where the KV is in host
+        # memory, see kvoffload.integrations.vllm_settings.Settings.loads).
+        self.inline_loads = self.device.device.type == "cpu" if inline_loads is None else inline_loads
         self._closed = False
 
     # --- a step's jobs ------------------------------------------------------------------
@@ -244,7 +249,10 @@ class Mover:
                 self.writer.put(jobs)
         for job in plan.loads:
             self._loads_running[job.id] = job
-            self._loader.submit(self._load, job)
+            if self.inline_loads:
+                self._load(job)  # reported by this step's get_finished
+            else:
+                self._loader.submit(self._load, job)
 
     def save(self, plan: StepPlan, ready: Any = None) -> None:
         """``wait_for_save``: start the plan's copies of blocks (the forward wrote them);

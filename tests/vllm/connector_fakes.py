@@ -86,6 +86,7 @@ class Rig:
         world_size: int = 1,
         stride: int | None = None,
         namespace: str | None = None,
+        inline_loads: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.store = store
@@ -96,7 +97,14 @@ class Rig:
             layers = [torch.zeros(num_blocks, HEADS, BS, 2 * HEAD) for _ in range(LAYERS)]
             self.kv.append(layers)
             tensors = [t for i, kv in enumerate(layers) for t in block_tensors(kv, num_blocks, BS, f"l{i}")]
-            self.movers.append(Mover(tensors, block_size=BS, host_pages=host_pages, storage=stores[r]))
+            mover = Mover(
+                tensors,
+                block_size=BS,
+                host_pages=host_pages,
+                storage=stores[r],
+                inline_loads=inline_loads,
+            )
+            self.movers.append(mover)
         self.lookups: list[list[str]] = []
         self.planner = Planner(
             block_size=BS,

@@ -77,6 +77,40 @@ def test_a_fresh_process_loads_what_another_stored(tmp_path: Path) -> None:
         rig.close()
 
 
+def test_an_inline_load_is_reported_by_the_step_that_hands_it_over(tmp_path: Path) -> None:
+    """``loads="inline"`` (the default on vLLM's CPU build): the worker reads the store
+    and copies into the blocks in that step's ``start_load_kv``, so the same step's
+    ``get_finished`` reports the request, with the KV computing would write; a page
+    that does not match its key is still a load error, never served (F38)."""
+    prompt = list(range(1400, 1413))  # 3 whole blocks + 1
+    _store_prompt(tmp_path, prompt)
+    rig = Rig(FileStorage(tmp_path), inline_loads=True)
+    try:
+        req = FakeRequest("b", list(prompt))
+        assert rig.add(req) == 3 * BS
+        rig.step_idle()
+        assert rig.recvd == ["b"] and rig.load_errors == set()  # no later step needed
+        _expected(rig, "b", req.all_token_ids, 3)
+        rig.planner.check_invariants()
+    finally:
+        rig.close()
+    page = sorted(p for p in tmp_path.rglob("*") if p.is_file())[0]
+    raw = bytearray(page.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    page.write_bytes(bytes(raw))
+    rig = Rig(FileStorage(tmp_path), inline_loads=True)
+    try:
+        req = FakeRequest("c", list(prompt))
+        assert rig.add(req) == 3 * BS  # the lookup sees the page's record: it is listed
+        rig.step_idle()
+        assert rig.recvd == ["c"]
+        assert rig.load_errors, "a corrupt page was served"  # it and every later one
+        rig.settle()
+        rig.planner.check_invariants()
+    finally:
+        rig.close()
+
+
 def test_the_lookup_never_counts_the_last_prompt_token(tmp_path: Path) -> None:
     """A prompt of exactly two stored blocks: one block is loaded, vLLM computes the
     second (it needs the last token's logits); beyond the engine's own hit only."""
@@ -245,6 +279,9 @@ def test_settings_refuse_what_is_not_a_setting() -> None:
     s = Settings.from_extra({"storage": "x/", "namespace": "n", "host_pages": 8})
     assert (s.namespace, s.host_pages_for(10_000), Settings("x/").host_pages_for(100)) == ("n", 8, 64)
     assert Settings("x/").host_pages_for(100_000, 1 << 20) == 1024  # at most 1 GiB by default
+    with pytest.raises(ConfigError, match="loads must be"):
+        Settings.from_extra({"storage": "x/", "loads": "sometimes"})
+    assert Settings.from_extra({"storage": "x/"}).loads == "auto"
 
 
 def test_rank_reports_merge_as_vllm_aggregates_them() -> None:

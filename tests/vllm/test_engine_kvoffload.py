@@ -38,8 +38,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("kvoffload")
 
 
-def _kv(work: Path, namespace: str = NAMESPACE, store: str = "store") -> dict[str, Any]:
-    return ve.kvoffload_connector(str(work / store), namespace)
+def _kv(work: Path, namespace: str = NAMESPACE, store: str = "store", **extra: Any) -> dict[str, Any]:
+    return ve.kvoffload_connector(str(work / store), namespace, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,10 @@ def abort_preempt(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[
         {"name": "again", "requests": [ve.req("r0", ve.MAIN["r0"]), ve.req("r1", ve.MAIN["r1"])]},
     ]
     small = {"num_gpu_blocks_override": 32, "max_model_len": 768}
-    return ve.run_engine(ve.spec(tiny_model, phases, _kv(work), engine_args=small), work, "abort")
+    # loads on the load thread: an abort then lands while the read or the copy may still
+    # run (inline loads, the CPU default, finish in the step that hands them over).
+    kv = _kv(work, loads="thread")
+    return ve.run_engine(ve.spec(tiny_model, phases, kv, engine_args=small), work, "abort")
 
 
 def _cached(run: dict[str, Any], name: str) -> int:
