@@ -14,9 +14,9 @@ does for the offload lifecycle).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
+from kvoffload.lifecycle._graph import reachable, reaches
 from kvoffload.lifecycle.load_spec import LOAD_SPEC, LoadOutcome, LoadSpec, LoadState
 from kvoffload.lifecycle.table import SpecError
 
@@ -101,39 +101,20 @@ def validate_load(spec: LoadSpec = LOAD_SPEC) -> None:
                 f"{t.event!r} from {t.source.name} to {t.dest.name} names outcomes {t.outcomes}: "
                 "a step into a terminal state names at least one, any other step none"
             )
-    seen = {spec.initial}
-    todo = deque([spec.initial])
-    while todo:
-        for nxt in succ[todo.popleft()] - seen:
-            seen.add(nxt)
-            todo.append(nxt)
-    if unreachable := set(spec.states) - seen:
+    if unreachable := set(spec.states) - reachable(succ, spec.initial):
         raise SpecError(f"unreachable states: {sorted(s.name for s in unreachable)}")
     for s in spec.terminal:
         if any(d != -1 for d in table[s.value]):
             raise SpecError(f"terminal state {s.name} has an outgoing transition")
     cancel = events.index(spec.cancel_event) if spec.cancel_event in events else -1
     for s in spec.live:
-        if not _reaches(succ, s, spec.terminal):
+        if not reaches(succ, s, spec.terminal):
             raise SpecError(f"live state {s.name} cannot reach a terminal state")
         if cancel < 0 or table[s.value][cancel] == -1:
             raise SpecError(f"{spec.cancel_event} is not legal in live state {s.name}")
     used = {t.event for t in spec.transitions} | {spec.creation_event}
     if unused := set(events) - used:
         raise SpecError(f"declared events never used: {sorted(unused)}")
-
-
-def _reaches(succ: dict[LoadState, set[LoadState]], start: LoadState, goal: frozenset[LoadState]) -> bool:
-    seen = {start}
-    todo = [start]
-    while todo:
-        s = todo.pop()
-        if s in goal:
-            return True
-        for n in succ[s] - seen:
-            seen.add(n)
-            todo.append(n)
-    return False
 
 
 class _LoadOracleModel:

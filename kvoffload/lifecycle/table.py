@@ -14,9 +14,9 @@ one model, used by the tests as the oracle the compiled table must agree with.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
+from kvoffload.lifecycle._graph import reachable, reaches
 from kvoffload.lifecycle.spec import (
     GUARD_PREDICATES,
     SPEC,
@@ -124,42 +124,19 @@ def validate(spec: LifecycleSpec = SPEC) -> None:
     succ: dict[LifecycleState, set[LifecycleState]] = {s: set() for s in spec.states}
     for t in spec.transitions:
         succ[t.source].add(t.dest)
-    seen = {spec.initial}
-    todo = deque([spec.initial])
-    while todo:
-        for nxt in succ[todo.popleft()] - seen:
-            seen.add(nxt)
-            todo.append(nxt)
-    if unreachable := set(spec.states) - seen:
+    if unreachable := set(spec.states) - reachable(succ, spec.initial):
         raise SpecError(f"unreachable states: {sorted(s.name for s in unreachable)}")
     for s in spec.terminal:
         if any(d != -1 for row in table[s.value] for d in row):
             raise SpecError(f"terminal state {s.name} has an outgoing transition")
     for s in spec.live:
-        if not _reaches(succ, s, spec.terminal):
+        if not reaches(succ, s, spec.terminal):
             raise SpecError(f"live state {s.name} cannot reach a terminal state")
         if any(d == -1 for d in table[s.value][events.index("abort")]):
             raise SpecError(f"abort is not legal in live state {s.name} under every condition")
     used = {t.event for t in spec.transitions} | {spec.creation_event}
     if unused := set(events) - used:
         raise SpecError(f"declared events never used: {sorted(unused)}")
-
-
-def _reaches(
-    succ: dict[LifecycleState, set[LifecycleState]],
-    start: LifecycleState,
-    goal: frozenset[LifecycleState],
-) -> bool:
-    seen = {start}
-    todo = [start]
-    while todo:
-        s = todo.pop()
-        if s in goal:
-            return True
-        for n in succ[s] - seen:
-            seen.add(n)
-            todo.append(n)
-    return False
 
 
 class _OracleModel:

@@ -4,7 +4,7 @@ tests live with the engine harness). Run in the vllm environment:
     .venv-vllm/bin/python tests/vllm/connector_smoke.py [WORKDIR]
 
 Fresh engine processes, one after the other, on a tiny Llama with seeded random
-weights (:func:`write_weights`): no connector;
+weights (``engine_run.write_model``): no connector;
 kvoffload storing to a file store; kvoffload in a fresh process loading from it; and
 one more on a copy of the store with one page corrupted. The third must report cached
 tokens (prefix caching off, so they came from the store; a follow-up prompt that
@@ -23,60 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
-    "torch_dtype": "float32",
-}
-
-
-def write_weights(model: Path, cfg: dict[str, int], seed: int = 0) -> None:
-    """Seeded random Llama weights (``model.safetensors``). vLLM's dummy loader draws
-    weights from [-1e-3, 1e-3]: its logits are nearly flat, and wrong KV would give the
-    same tokens and logprobs as the right one; with these the output depends on the
-    whole context, so comparing outputs can fail."""
-    import torch
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    h, inter, d, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"], cfg["vocab_size"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {
-        "model.embed_tokens.weight": (vocab, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (vocab, h),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        shapes |= {
-            pre + "input_layernorm.weight": (h,),
-            pre + "post_attention_layernorm.weight": (h,),
-            pre + "self_attn.q_proj.weight": (q, h),
-            pre + "self_attn.k_proj.weight": (kv, h),
-            pre + "self_attn.v_proj.weight": (kv, h),
-            pre + "self_attn.o_proj.weight": (h, q),
-            pre + "mlp.gate_proj.weight": (inter, h),
-            pre + "mlp.up_proj.weight": (inter, h),
-            pre + "mlp.down_proj.weight": (h, inter),
-        }
-    out = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if len(shape) == 1:
-            out[name] = torch.ones(shape)
-        elif name == "model.embed_tokens.weight":
-            out[name] = torch.randn(shape, generator=g)
-        else:
-            out[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    save_file(out, str(model / "model.safetensors"))
+# The engine tests' tiny Llama and its seeded random weights (vLLM's dummy loader gives
+# flat logits: wrong KV would give the same output), from the runner beside this file.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_run import TINY_LLAMA as MODEL
+from engine_run import write_model
 
 
 def prompts() -> list[list[int]]:
@@ -127,8 +78,7 @@ def main() -> None:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="kvo-smoke-"))
     model = work / "model"
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(MODEL))
-    write_weights(model, MODEL)
+    write_model(str(model), MODEL, weights=True)
     store = work / "store"
     results = {}
     for name, st in (("plain", None), ("store", str(store) + "/"), ("load", str(store) + "/")):
