@@ -104,18 +104,16 @@ def copy_h2d(
     device: EnginePages, host: HostPool, device_pages: Sequence[int], host_pages: Sequence[int]
 ) -> None:
     """Copy host pages ``host_pages[i]`` into engine pages ``device_pages[i]`` (every
-    tensor's slice; blocking, any thread)."""
+    tensor's slice; blocking, any thread): the backends' copy plan, one block copy per
+    run of consecutive pages (a gather into a temporary and a scatter made it 4-6x
+    slower on vLLM's CPU build: 60 ms against 10 ms for 49 pages of 2 MB)."""
     import torch
+
+    from kvoffload.backends._threaded import copy_pages_h2d
 
     if not device_pages:
         return
-    didx = torch.tensor(list(device_pages), dtype=torch.long)
-    hidx = torch.tensor(list(host_pages), dtype=torch.long)
-    for dev, hst in device.copy_pairs(host):
-        src = hst.index_select(0, hidx)
-        if src.device != dev.device:
-            src = src.to(dev.device)
-        dev.index_copy_(0, didx.to(dev.device), src)
+    copy_pages_h2d(device.copy_pairs(host), device_pages, host_pages)
     if device.device.type == "cuda":
         torch.cuda.current_stream(device.device).synchronize()
 
@@ -152,7 +150,9 @@ class Mover:
         self.block_size = block_size
         self.device = EnginePages(list(kv), block_size)
         nb = self.device.page_bytes
-        self.host = HostPool.new(host_pages, (nb,), "uint8")
+        # zeroed: its memory is touched once here, at start-up, not by the first load
+        # (first-touch page faults of a fresh 100 MB read cost ~30 ms on the CPU build).
+        self.host = HostPool.new(host_pages, (nb,), "uint8", zero=True)
         self.io_timeout_s = io_timeout_s
         if backend is None:
             backend = resolve_backend("cuda" if self.device.device.type == "cuda" else "cpu")
