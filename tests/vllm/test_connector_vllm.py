@@ -24,6 +24,7 @@ pytest.importorskip("vllm.v1.request", reason="vLLM's real classes: run in the v
 
 import torch
 from connector_fakes import FakeRequest
+from engine_run import TINY_LLAMA
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
@@ -50,19 +51,7 @@ from kvoffload.integrations.vllm_plan import RankReport
 BS = 32
 NUM_BLOCKS = 64
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-MODEL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 512,
-    "max_position_embeddings": 2048,
-    "torch_dtype": "float32",
-}
+MODEL = TINY_LLAMA  # the engine tests' tiny Llama (tests/vllm/engine_run.py)
 
 
 @pytest.fixture(scope="module")
