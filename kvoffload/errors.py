@@ -7,6 +7,7 @@ and what is allowed, and is raised *before* any count or page changes.
 from __future__ import annotations
 
 from _thread import get_ident
+from collections.abc import Sequence
 
 __all__ = [
     "wrong_thread",
@@ -20,6 +21,7 @@ __all__ = [
     "ManagerClosed",
     "MissingDependency",
     "PageError",
+    "PartialWriteError",
     "PoolExhausted",
     "RankTimeout",
     "RanksDiverged",
@@ -94,6 +96,27 @@ class BackendError(KVOffloadError):
 
 class StorageError(KVOffloadError):
     """A storage tier could not be reached or refused a write or read."""
+
+
+class PartialWriteError(StorageError):
+    """A batched write stored some pages of the batch and not others (FAILURES F34).
+
+    ``stored[i]`` is whether the store confirmed page ``i`` of the batch (one flag per
+    key, in the batch's order); ``errors`` holds the store's reason for each page it
+    did not store (``None`` where stored). A page counts as stored only where its flag
+    is True: never the whole batch because part of it succeeded.
+    """
+
+    def __init__(
+        self, message: str, stored: Sequence[bool], errors: Sequence[str | None] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.stored: tuple[bool, ...] = tuple(bool(s) for s in stored)
+        self.errors: tuple[str | None, ...] = (
+            tuple(errors) if errors is not None else tuple(None if s else message for s in self.stored)
+        )
+        if len(self.errors) != len(self.stored):
+            raise ValueError(f"PartialWriteError: {len(self.errors)} errors for {len(self.stored)} pages")
 
 
 class MissingDependency(KVOffloadError, ImportError):
