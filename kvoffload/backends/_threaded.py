@@ -13,7 +13,18 @@ thread per copy stream and hand completions back to the event loop the same way:
 - :func:`plan_runs` - a transfer's (device page, host page) pairs grouped into runs
   of consecutive host pages, so a copy is a few large block copies, not one per page.
 
-Nothing here imports torch.
+CPU copies off the main thread start no OpenMP team (:func:`copy_pages`,
+:func:`copy_pages_h2d`): a torch CPU op large enough to run in parallel, called on a
+thread other than the one running the model, starts a second OpenMP team of torch's
+intra-op threads; with more OpenMP threads than cores, libgomp then throttles every
+team's spin-wait, the model's too. In a vLLM CPU engine on 2 cores that made every
+decode step about 1.3x slower for as long as the process lived (the same slowdown as
+``GOMP_SPINCOUNT=1000`` on an engine without any connector), although the copies
+themselves took under 1% of the time. So those copies are numpy's single-threaded
+``copyto`` (which releases the GIL); on the main thread, and for CUDA tensors, they
+stay torch's.
+
+Nothing here imports torch at import time.
 """
 
 from __future__ import annotations
@@ -91,6 +102,10 @@ def copy_pages(
     import torch
 
     runs = plan_runs(device_pages, host_pages)
+    if _single_threaded(pairs):
+        for src, dst in pairs:
+            _copy_runs(_array(src), _array(dst), runs, h2d=False)
+        return
     index = [None if r.device_start is not None else torch.tensor(r.device, dtype=torch.long) for r in runs]
     for src, dst in pairs:
         for run, idx in zip(runs, index, strict=True):
@@ -114,6 +129,10 @@ def copy_pages_h2d(
     import torch
 
     runs = plan_runs(device_pages, host_pages)
+    if _single_threaded(pairs):
+        for dev, host in pairs:
+            _copy_runs(_array(dev), _array(host), runs, h2d=True)
+        return
     index = [None if r.device_start is not None else torch.tensor(r.device, dtype=torch.long) for r in runs]
     for dev, host in pairs:
         for run, idx in zip(runs, index, strict=True):
@@ -123,6 +142,53 @@ def copy_pages_h2d(
                 dev[run.device_start : run.device_start + run.count].copy_(src)
             else:
                 dev.index_copy_(0, idx, src.contiguous())
+
+
+#: Item sizes the single-threaded copy takes: a tensor of any dtype is copied as raw integers.
+_ITEM = (1, 2, 4, 8)
+
+
+def _single_threaded(pairs: Sequence[tuple[Any, Any]]) -> bool:
+    """Whether a copy over ``pairs`` must start no OpenMP team (see the module doc): on
+    a thread other than the main one, between CPU tensors of one dtype per pair whose
+    items numpy can copy as integers of their size (:data:`_ITEM`)."""
+    if threading.current_thread() is threading.main_thread():
+        return False
+    return all(
+        a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype and a.element_size() in _ITEM
+        for a, b in pairs
+    )
+
+
+def _array(t: Any) -> Any:
+    """``t``'s memory as a numpy array of its shape and strides (no copy), its items
+    read as integers of their size (numpy has no bfloat16)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(ints).numpy()
+
+
+def _copy_runs(device: Any, host: Any, runs: Sequence[Run], *, h2d: bool) -> None:
+    """Copy each run between numpy views of one device tensor and its host tensor (rows
+    are pages): one ``copyto`` per run of consecutive pages on both sides, one per page
+    where the device pages of a run are scattered. Single-threaded; releases the GIL."""
+    import numpy as np
+
+    for run in runs:
+        h = run.host_start
+        if run.device_start is not None:
+            d = run.device_start
+            if h2d:
+                np.copyto(device[d : d + run.count], host[h : h + run.count])
+            else:
+                np.copyto(host[h : h + run.count], device[d : d + run.count])
+            continue
+        for k, d in enumerate(run.device):
+            if h2d:
+                np.copyto(device[d], host[h + k])
+            else:
+                np.copyto(host[h + k], device[d])
 
 
 def copy_transfer_pages(pairs: Sequence[tuple[Any, Any]], transfer: Transfer) -> None:

@@ -206,6 +206,7 @@ def main(spec_path: str, result_path: str) -> None:
         reqs = phase["requests"]
         prompts = [prompt_of(r) for r in reqs]
         start = time.monotonic()
+        cpu0 = _thread_cpu()
         if phase.get("mode", "generate") == "generate":
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in prompts],
@@ -216,6 +217,7 @@ def main(spec_path: str, result_path: str) -> None:
         else:
             by_name = _step_phase(llm, sched, phase, reqs, prompts, params_of, TokensPrompt, result)
         result["phases"][phase["name"]] = time.monotonic() - start
+        result.setdefault("phase_cpu_s", {})[phase["name"]] = _cpu_delta(cpu0, _thread_cpu())
         if sched is not None:
             result.setdefault("drain_steps", {})[phase["name"]] = _drain(llm, sched)
         for r, p in zip(reqs, prompts, strict=True):
@@ -238,6 +240,40 @@ def main(spec_path: str, result_path: str) -> None:
 
 
 DRAIN_S = 120.0
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) so far of each thread of this process, by name
+    (Python's thread name where the thread is a Python thread, else its OS name; threads
+    of one name summed), read from /proc (Linux); empty where /proc is not there."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each thread name spent between two :func:`_thread_cpu` readings, and
+    ``"total"``; names that spent none are left out."""
+    out = {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    out["total"] = round(sum(out.values()), 3)
+    return out
 
 
 def _drain(llm: Any, sched: Any) -> int:
