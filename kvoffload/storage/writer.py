@@ -51,7 +51,15 @@ if TYPE_CHECKING:
     from kvoffload.abc import Storage, WriteJob
     from kvoffload.pools import HostPool
 
-__all__ = ["AsyncWriter", "ThreadWriter", "WritePolicy", "WriteResult", "page_bytes", "write_job"]
+__all__ = [
+    "AsyncWriter",
+    "ThreadWriter",
+    "WritePolicy",
+    "WriteResult",
+    "page_bytes",
+    "stored_prefix",
+    "write_job",
+]
 
 _T = TypeVar("_T")
 
@@ -94,6 +102,20 @@ class WritePolicy:
 
 #: A finished job: (job, stored, attempts, error or None).
 WriteResult = tuple["WriteJob", bool, int, "BaseException | None"]
+
+
+def stored_prefix(result: WriteResult) -> int:
+    """How many leading pages of a finished job its store confirmed (F34): all of them
+    when stored, else the leading True flags of its :class:`~kvoffload.PartialWriteError`
+    (none for any other error, or flags that do not match the job)."""
+    job, stored, _, error = result
+    n = len(job.host_pages)
+    if stored:
+        return n
+    flags = error.stored if isinstance(error, PartialWriteError) else ()
+    if len(flags) != n:
+        return 0
+    return flags.index(False) if False in flags else n
 
 
 class WriterState:
