@@ -20,15 +20,17 @@ import time
 from collections.abc import Sequence
 
 import pytest
+from support import broken_parts
 
 import kvoffload as kvo
 from kvoffload.abc import Transfer, WriteChain, WriteJob
 from kvoffload.core.lifecycle import Lifecycle
+from kvoffload.core.writes import Writes
 from kvoffload.errors import PartialWriteError, StorageError
 from kvoffload.pools import HostPool
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.storage.writer import WritePolicy, WriterState, write_job
-from kvoffload.testing import SimBackend, manager_in_task
+from kvoffload.testing import CoreLifecycleMachine, FlakyStorage, SimBackend, manager_in_task
 
 RETRY = WritePolicy(attempts=3, backoff_s=0)
 ONE_TRY = WritePolicy(attempts=1, backoff_s=0)
@@ -283,3 +285,82 @@ async def test_a_store_that_fails_without_saying_which_pages_confirms_none() -> 
         assert (s.pages_stored, s.pages_store_failed, s.pages_store_skipped) == (0, 1, 4)
         assert (s.chunks_store_partial, s.pages_store_unreachable) == (0, 0)
         mgr.check_invariants()
+
+
+# --- the property suite's per-page check can fail ------------------------------------------------
+
+
+class _WholeBatchStored(Writes):
+    """SGLang #38316 / LMCache #4991: a batch counted stored because part of it was."""
+
+    def done(
+        self, job_id: int, stored: bool, attempts: int, error: BaseException | None
+    ) -> tuple[Lifecycle | None, int]:
+        if isinstance(error, PartialWriteError) and any(error.stored):
+            stored, error = True, None
+        return super().done(job_id, stored, attempts, error)
+
+
+class _NoneStored(Writes):
+    """The old outcome: a batch stored in part counted as not stored at all."""
+
+    def done(
+        self, job_id: int, stored: bool, attempts: int, error: BaseException | None
+    ) -> tuple[Lifecycle | None, int]:
+        if isinstance(error, PartialWriteError):
+            error = StorageError(str(error))
+        return super().done(job_id, stored, attempts, error)
+
+
+def _partial_schedule(m: CoreLifecycleMachine) -> None:
+    """One chunk of two pages whose second page the store does not confirm."""
+    m.extend(0, [1, 1, 1, 1, 2, 2, 2, 2])  # one stride of two pages
+    m.outside_rules_hold()
+    m.complete(0)
+    m.outside_rules_hold()
+    m.write(0, False, cut=2)  # page 0 confirmed, page 1 not
+    m.outside_rules_hold()
+
+
+def _core_machine() -> CoreLifecycleMachine:
+    m = CoreLifecycleMachine()
+    m.open(
+        page_size=4,
+        stride_pages=2,
+        device_pages=24,
+        spare_host_pages=4,
+        on_host_full="drop",
+        offload_prompt=False,
+        storage=True,
+        first_prompt=[0, 1, 2, 3],
+    )
+    m.outside_rules_hold()
+    return m
+
+
+@pytest.mark.parametrize("mutant", [_WholeBatchStored, _NoneStored])
+def test_the_property_suite_catches_a_core_that_counts_a_partial_batch_wrong(mutant: type) -> None:
+    """The observer's per-page check (run after every step on every layer): once every
+    write finished, ``pages_stored`` is the pages the store confirmed before a hole and
+    ``pages_store_unreachable`` those after. It fails on a core that counts a partial
+    batch whole (SGLang #38316) or not at all; the same schedule passes on the real core."""
+    _partial_schedule(_core_machine())
+    with pytest.raises(AssertionError, match="the store confirmed"), broken_parts(mutant):
+        _partial_schedule(_core_machine())
+
+
+def test_the_property_suite_store_fails_part_of_a_batch_on_the_drivers() -> None:
+    """FlakyStorage (the driver machines' store) with ``partial`` set stores every page
+    of a batch but one and says so page by page (PartialWriteError)."""
+    import asyncio
+
+    store = FlakyStorage()
+    store.partial = 1
+    with pytest.raises(PartialWriteError) as caught:
+        asyncio.run(store.put(["a", "b", "c"], [b"1", b"2", b"3"]))
+    assert caught.value.stored == (True, False, True) and sorted(store.pages) == ["a", "c"]
+    asyncio.run(store.put(["d"], [b"4"]))  # a one-page batch is taken whole
+    store.down = True
+    with pytest.raises(StorageError) as down:
+        asyncio.run(store.put(["e", "f"], [b"5", b"6"]))
+    assert not isinstance(down.value, PartialWriteError)

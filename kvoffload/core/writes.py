@@ -259,9 +259,7 @@ class Writes:
         ``unreachable`` confirmed after the hole: a partial write, F34)."""
         burst = self.burst
         now = self.events.clock()
-        partial: dict[str, int] = {}
-        if stored or unreachable:
-            partial = {"pages_stored": stored, "pages_unreachable": unreachable}
+        partial = {"pages_stored": stored, "pages_unreachable": unreachable}  # (a partial write, F34)
         if burst.since is None:
             burst.since = now
             burst.last_log = now
