@@ -36,6 +36,8 @@ class Counters:
     chunks_failed: int = 0
     chunks_inflight: int = 0
     chunks_refused: int = 0
+    # Per page (F34): a chunk stored in part has at least one page not confirmed.
+    # Invariant: chunks_store_partial <= pages_store_unconfirmed <= pages_store_failed
     chunks_store_partial: int = 0
     chunks_submitted: int = 0
     completions_delivered: int = 0
@@ -60,6 +62,8 @@ class Counters:
     pages_store_retried: int = 0
     pages_store_skipped: int = 0
     pages_store_unconfirmed: int = 0
+    # pages_store_unreachable: confirmed after a page of their chunk that was not, so in
+    # the store but never counted stored. Invariant: in the pages ledger (module doc).
     pages_store_unreachable: int = 0
     pages_stored: int = 0
     pages_submitted: int = 0
