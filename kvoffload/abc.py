@@ -226,7 +226,7 @@ class WriteJob:
     ``first_token`` (where the chunk starts in its request) say where each one is.
     """
 
-    __slots__ = ("chain", "first_token", "host_pages", "id", "keys", "lifecycle_id", "rid")
+    __slots__ = ("chain", "first_token", "host_pages", "id", "keys", "lifecycle_id", "resent", "rid")
 
     def __init__(
         self,
@@ -246,6 +246,11 @@ class WriteJob:
         self.rid = rid
         self.chain = chain
         self.first_token = first_token
+        # resent: pages the writer re-sent by retries (a retry sends only the pages the
+        # store has not confirmed, F34), set by the writer before it reports the job;
+        # None: not reported (each retry then counts as the whole chunk re-sent).
+        # Invariant: self.resent is None or self.resent >= 0
+        self.resent: int | None = None
 
     def __repr__(self) -> str:
         return f"<WriteJob of transfer #{self.id} ({len(self.host_pages)} page(s))>"
@@ -412,9 +417,14 @@ class Storage(abc.ABC):
         """Store ``pages[i]`` under ``keys[i]``; raise :class:`~kvoffload.StorageError` on failure.
 
         A page is stored whole or not at all (no torn page is ever readable under a key).
-        On an error some pages of the batch may be stored and others not; a retry of
-        the same batch is safe (a key always names the same tokens). Raises
-        ``ValueError`` (nothing stored) when ``len(keys) != len(pages)``.
+        Per-page truth (FAILURES F34): returning means the store confirmed every page.
+        When it stored part of the batch it raises
+        :class:`~kvoffload.PartialWriteError`, whose ``stored[i]`` says whether it
+        confirmed page ``i`` (and ``errors[i]`` why not); any other error confirms no
+        page of the batch (some may be stored all the same). The writer counts a page
+        stored only where it was confirmed and retries only the others; a retry of the
+        same keys is safe (a key always names the same tokens). Raises ``ValueError``
+        (nothing stored) when ``len(keys) != len(pages)``.
         """
 
     async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
@@ -423,7 +433,8 @@ class Storage(abc.ABC):
         calls for each copied chunk. The pages are held (nobody writes them) until this
         returns; a store must not keep a reference to their memory after that.
 
-        Same guarantees and errors as :meth:`put`. The default reads each page out as
+        Same guarantees and errors as :meth:`put` (a batch stored in part raises
+        :class:`~kvoffload.PartialWriteError`, one flag per page). The default reads each page out as
         ``bytes`` (one copy, in the writer's own context) and calls :meth:`put`; the
         file and redis stores override it to write from the pool's memory directly. A
         store that reads pinned host memory by page index (as SGLang's do) overrides it.

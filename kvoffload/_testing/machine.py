@@ -33,7 +33,14 @@ from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.offload import OffloadCore
 from kvoffload.drivers.asyncio import OffloadManager
 from kvoffload.drivers.sync import SyncOffloadManager
-from kvoffload.errors import BackendError, DrainTimeout, InvalidTransition, PoolExhausted, StorageError
+from kvoffload.errors import (
+    BackendError,
+    DrainTimeout,
+    InvalidTransition,
+    PartialWriteError,
+    PoolExhausted,
+    StorageError,
+)
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.pools import EnginePages
 from kvoffload.storage.memory import MemoryStorage
@@ -62,24 +69,50 @@ _tokens = st.integers(0, 3)
 
 
 class FlakyStorage(MemoryStorage):
-    """A memory store that fails every write while ``down`` is set, and tells its
-    ``observer`` (when set) of every write it is asked for (host pages, and whether it
-    takes it), so the observer can check that what is stored has no holes (F33)."""
+    """A memory store that fails every write while ``down`` is set, and - while
+    ``partial`` is an int - stores part of each batch of two or more pages: every page
+    but the one at index ``partial % n``, raising :class:`~kvoffload.PartialWriteError`
+    with one flag per page (FAILURES F34). It tells its ``observer`` (when set) of every
+    write it is asked for (host pages, and which of them it takes), so the observer can
+    check that what is stored has no holes (F33) and that the pages counted stored are
+    exactly the pages it confirmed before a hole."""
 
     def __init__(self) -> None:
         super().__init__()
         self.down = False
+        self.partial: int | None = None
         self.observer: Observer | None = None
 
+    def _flags(self, n: int) -> list[bool]:
+        """Which pages of a batch of ``n`` this write takes."""
+        if self.down:
+            return [False] * n
+        if self.partial is None or n < 2:
+            return [True] * n
+        miss = self.partial % n
+        return [i != miss for i in range(n)]
+
     async def put_pages(self, keys: Sequence[str], host_pool: Any, host_pages: Sequence[int]) -> None:
+        from kvoffload.pools import page_views
+
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        flags = self._flags(len(keys))
         if self.observer is not None:
-            self.observer.on_put(host_pages, not self.down)
-        await super().put_pages(keys, host_pool, host_pages)
+            self.observer.on_put(host_pages, flags)
+        self._store(keys, [v.tobytes() for v in page_views(host_pool, host_pages)], flags)
 
     async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
-        if self.down:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        self._store(keys, pages, self._flags(len(keys)))
+
+    def _store(self, keys: Sequence[str], pages: Sequence[bytes], flags: list[bool]) -> None:
+        if keys and not any(flags):
             raise StorageError("simulated: the store is down")
-        await super().put(keys, pages)
+        self.pages.update((k, bytes(p)) for k, p, ok in zip(keys, pages, flags, strict=True) if ok)
+        if not all(flags):
+            raise PartialWriteError("simulated: the store took part of the batch", flags)
 
 
 def _report_coverage(seen: set[str]) -> None:
@@ -451,6 +484,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert self.storage is not None
         self.storage.down = down
 
+    @precondition(lambda self: self.storage is not None and not self.closed)
+    @rule(miss=st.integers(-1, 2))
+    def storage_partial(self, miss: int) -> None:
+        """The storage tier stores part of each batch (F34): every page but the one at
+        index ``miss`` (of a batch of two or more), or - ``miss`` -1 - whole batches again."""
+        assert self.storage is not None
+        self.storage.partial = None if miss < 0 else miss
+
     @precondition(lambda self: not self.closed)
     @rule()
     def close(self) -> None:
@@ -701,26 +742,34 @@ class CoreLifecycleMachine(LifecycleMachine):
         return False
 
     @precondition(lambda self: bool(self.writes))
-    @rule(pos=st.integers(0, 7), stored=st.booleans())
-    def write(self, pos: int, stored: bool) -> None:
+    @rule(pos=st.integers(0, 7), stored=st.booleans(), cut=st.integers(0, 3))
+    def write(self, pos: int, stored: bool, cut: int = 0) -> None:
         """The store finishes the write at ``pos`` (stored or failed), in any order
         across requests; as a writer does, one request's writes in the order they were
-        handed over, and none after one of its chain failed (F33)."""
-        self._write(pos % len(self.writes), stored)
+        handed over, and none after one of its chain failed (F33). Failed with ``cut``
+        > 0, a chunk of two or more pages is stored in part (F34): every page but its
+        page ``(cut - 1) % n``, reported with one flag per page."""
+        self._write(pos % len(self.writes), stored, cut)
 
-    def _write(self, pos: int, stored: bool) -> None:
+    def _write(self, pos: int, stored: bool, cut: int = 0) -> None:
         lid = self.writes[pos].lifecycle_id
         job = next(j for j in self.writes if j.lifecycle_id == lid)  # the request's oldest
         self.writes.remove(job)
         attempts = 1
         chain = job.chain
+        n = len(job.host_pages)
+        flags = [stored] * n
+        if not stored and cut and n > 1:
+            flags = [i != (cut - 1) % n for i in range(n)]
+        error: BaseException | None = None
         if chain is not None and chain.broken:  # the writer skips it: not a write
-            stored, attempts = False, 0
+            stored, attempts, error = False, 0, StorageError("skipped")
         else:
             if not stored and chain is not None:
                 chain.broken = True
-            self.observer.on_write(job.id, stored)
-        error = None if stored else StorageError("down")
+            self.observer.on_write(job.id, flags)
+            if not stored:
+                error = PartialWriteError("simulated", flags) if any(flags) else StorageError("down")
         self.run(lambda: self._released(self.mgr.write_done(job.id, stored, attempts=attempts, error=error)))
 
     def settle_writes(self) -> None:

@@ -18,6 +18,10 @@ model and derives from it, independently of the compiled table, what must hold:
   one it sent ended; no chunk is submitted for it once one of its copies or storage
   writes failed (a delivered failure); and what the store took for it is contiguous
   from its first offloaded page (a chunk stored only right after the last one stored);
+- per page (F34): once every storage write finished, ``pages_stored`` is exactly the
+  pages the store confirmed before the first page of their write it did not, and
+  ``pages_store_unreachable`` those it confirmed after one - every page counted stored
+  is one the store took, every page the store took was counted or is after a hole;
 - each released lifecycle's ``pages_lost`` is what it should have offloaded and did
   not - its whole pages from the first failed copy or write, or from the first page it
   never sent, on (0 for an aborted one, 0 while live) - and ``pages_lost`` in the
@@ -243,9 +247,13 @@ class Observer:
         # storage writes that follow.
         self.copied: dict[int, tuple[int, int, int]] = {}
         self.by_host: dict[tuple[int, ...], tuple[int, int, int]] = {}
-        # puts: (host pages, stored) of every put the store was asked for, in order (the
-        # store appends, possibly on its writer thread; the check reads them).
-        self.puts: list[tuple[tuple[int, ...], bool]] = []
+        # puts: (host pages, which pages it took) of every put the store was asked for,
+        # in order (the store appends, possibly on its writer thread; the check reads them).
+        self.puts: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+        # confirmed: pages the store confirmed before the first page of their write it
+        # did not (what pages_stored must count), and after it (pages_store_unreachable;
+        # F34), over every write the store finished.
+        self.confirmed = [0, 0]
         # gone: the models of collected lifecycles (with storage: their late writes).
         self.gone: dict[int, _LcModel] = {}
         # early: the first token of a prompt chunk submitted inside admit (before
@@ -456,18 +464,31 @@ class Observer:
 
     # --- the store's side ------------------------------------------------------------------
 
-    def on_write(self, tid: int, stored: bool) -> None:
-        """The store took (``stored``) or failed the write of transfer ``tid``'s chunk
-        (the core machine's writer). A write the writer skipped (its chain broke, F33)
-        is not a write: not reported."""
+    def on_write(self, tid: int, stored: bool | Sequence[bool]) -> None:
+        """The store took (``stored``: a bool, or one flag per page, F34) or failed the
+        write of transfer ``tid``'s chunk (the core machine's writer). A write the writer
+        skipped (its chain broke, F33) is not a write: not reported."""
         chunk = self.copied.pop(tid, None)
+        if chunk is None and isinstance(stored, bool):
+            return
+        flags = self._confirm(stored, 0 if chunk is None else chunk[2] // self.page_size)
         if chunk is not None:
-            self._written(*chunk, stored)
+            self._written(*chunk, flags)
 
-    def on_put(self, host_pages: Sequence[int], stored: bool) -> None:
-        """A store was asked to put these host pages (a driver's writer): noted, and read
-        at the next check (it may run on the writer's thread)."""
-        self.puts.append((tuple(host_pages), stored))
+    def on_put(self, host_pages: Sequence[int], stored: bool | Sequence[bool]) -> None:
+        """A store was asked to put these host pages (a driver's writer) and took the
+        pages flagged (``stored``: a bool for all, or one flag per page, F34): noted, and
+        read at the next check (it may run on the writer's thread)."""
+        flags = (bool(stored),) * len(host_pages) if isinstance(stored, bool) else tuple(stored)
+        self.puts.append((tuple(host_pages), flags))
+
+    def _confirm(self, stored: bool | Sequence[bool], n: int) -> tuple[bool, ...]:
+        """One flag per page of a write of ``n`` pages; counted in ``confirmed``."""
+        flags = (bool(stored),) * n if isinstance(stored, bool) else tuple(stored)
+        reach = flags.index(False) if False in flags else len(flags)
+        self.confirmed[0] += reach
+        self.confirmed[1] += sum(flags[reach:])
+        return flags
 
     def _forget(self, lid: int) -> None:
         """Lifecycle ``lid`` is garbage: its model goes; with storage it is kept aside,
@@ -480,23 +501,30 @@ class Observer:
         """Apply the puts the store noted, each to the chunk whose host pages it named."""
         puts, self.puts = self.puts, []  # (the store appends to the new list from now on)
         for host_pages, stored in puts:
+            flags = self._confirm(stored, len(host_pages))
             chunk = self.by_host.pop(host_pages, None)
             if chunk is not None:
-                self._written(*chunk, stored)
+                self._written(*chunk, flags)
 
-    def _written(self, lid: int, first: int, n: int, stored: bool) -> None:
+    def _written(self, lid: int, first: int, n: int, flags: tuple[bool, ...]) -> None:
+        """The store took the pages flagged of the chunk of ``n`` tokens at ``first``: the
+        ones before the first it did not take are stored; the chain breaks there."""
         m = self.lcs.get(lid) or self.gone.get(lid)
         if m is None:
             return
-        self.seen.add("stored" if stored else "store failed")
-        if stored:
+        reach = flags.index(False) if False in flags else len(flags)
+        partial = 0 < sum(flags) < len(flags)
+        self.seen.add("stored" if reach == len(flags) else "store partial" if partial else "store failed")
+        if reach:
             if first != m.stored_end:
                 self.violations.append(
-                    f"lifecycle #{lid}: tokens {first}..{first + n} were stored, but its stored chain "
-                    f"ends at {m.stored_end}: a hole in the store no lookup can pass (F33)"
+                    f"lifecycle #{lid}: tokens {first}..{first + reach * self.page_size} were stored, but "
+                    f"its stored chain ends at {m.stored_end}: a hole in the store no lookup can pass (F33)"
                 )
-            m.stored_end = max(m.stored_end, first + n)
+            m.stored_end = max(m.stored_end, first + reach * self.page_size)
+        if reach == len(flags):
             return
+        first += reach * self.page_size  # the hole: its first page not stored (F34)
         if m.failed_at is None or first < m.failed_at:
             m.failed_at = first
         if m.hole is None or first < m.hole:
@@ -569,6 +597,13 @@ class Observer:
                     self._forget(lid)
                 else:
                     problems.append(f"lifecycle #{lid} is RELEASED and dropped but still referenced (F2)")
+        c = core.counters
+        if not core.writes and [c.pages_stored, c.pages_store_unreachable] != self.confirmed:
+            problems.append(  # every write finished: its pages were counted as the store took them (F34)
+                f"pages_stored {c.pages_stored} and pages_store_unreachable {c.pages_store_unreachable}; "
+                f"the store confirmed {self.confirmed[0]} page(s) before a hole in their write and "
+                f"{self.confirmed[1]} after one"
+            )
         if core.counters.pages_lost != self.lost:
             problems.append(
                 f"pages_lost is {core.counters.pages_lost}; the pages never sent add up to {self.lost}"

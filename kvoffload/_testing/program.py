@@ -80,7 +80,7 @@ def decode(x: int) -> tuple[str, dict[str, Any]]:
     if name == "advance_clock":
         return name, {"seconds": (1.0, 20.0)[a & 1]}
     if name == "write":
-        return name, {"pos": a % 8, "stored": bool(a >> 3 & 1)}
+        return name, {"pos": a % 8, "stored": bool(a >> 3 & 1), "cut": a >> 4 & 3}
     return name, {}
 
 

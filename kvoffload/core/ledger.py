@@ -194,10 +194,18 @@ def check(registry: Registry, chunks: Chunks, step: DecodeStep, loads: Loads | N
         c.pages_copied
         == c.pages_stored
         + c.pages_store_failed
+        + c.pages_store_unreachable
         + c.pages_store_skipped
         + c.pages_in_write
         + c.pages_not_stored,
-        lambda: "pages: copied != stored + store_failed + store_skipped + in_write + not_stored",
+        lambda: (
+            "pages: copied != stored + store_failed + store_unreachable + store_skipped + in_write "
+            "+ not_stored"
+        ),
+    )
+    expect(  # per page (F34): a partial chunk has a page its store did not confirm
+        c.chunks_store_partial <= c.pages_store_unconfirmed <= c.pages_store_failed,
+        lambda: "chunks_store_partial <= pages_store_unconfirmed <= pages_store_failed does not hold",
     )
     expect(
         all(lc._deferred_since is not None for lc in chunks.wait.queue),

@@ -399,13 +399,13 @@ class OffloadCore:
         """The writer finished job ``job_id`` (stored, or failed after ``attempts``
         tries): its host pages return (rule 3), the outcome is counted, and a burst of
         failures is logged once. A job not stored is a hole in its request's chain
-        (F33). Returns what a deferred chunk's expiry released."""
-        job = self.write_behind.pop(job_id, attempts)
-        if not stored:
-            lc = self.write_behind.hole(job)
-            if lc is not None and self.chunks.hole(lc, job.first_token):
-                self.registry.fire(lc, _DROPPED)
-        self.write_behind.count(job, stored, attempts, error)
+        (F33) at its first page the store did not confirm: when not ``stored``, an
+        ``error`` that is a :class:`~kvoffload.PartialWriteError` with one flag per page
+        says which pages the store confirmed (F34); any other error confirms none.
+        Returns what a deferred chunk's expiry released."""
+        lc, at = self.write_behind.done(job_id, stored, attempts, error)
+        if lc is not None and self.chunks.hole(lc, at):
+            self.registry.fire(lc, _DROPPED)
         if self.wait.queue:
             self.wait.pump()
         return self.registry.take_released()

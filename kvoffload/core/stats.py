@@ -6,8 +6,11 @@ The ledger (ARCHITECTURE.md rule 6), checked by ``OffloadManager.check_invariant
 - ``chunks_submitted == chunks_inflight + chunks_copied + chunks_discarded + chunks_failed``
   (and the same for pages). A *dropped* chunk never got host pages, so it was never
   submitted: drops are counted beside the ledger, not in it.
-- ``pages_copied == pages_stored + pages_store_failed + pages_store_skipped + pages_in_write
-  + pages_not_stored``
+- ``pages_copied == pages_stored + pages_store_failed + pages_store_unreachable +
+  pages_store_skipped + pages_in_write + pages_not_stored`` (per page, F34: a page is in
+  ``pages_stored`` only when its store confirmed it and every page before it in its chunk)
+- ``chunks_store_partial <= pages_store_unconfirmed <= pages_store_failed`` (a partial
+  chunk has at least one page its store did not confirm)
 - ``loads_begun == loads_live + loads_loaded + loads_partial + loads_missed +
   loads_failed + loads_cancelled``
 - no count is negative.
@@ -33,6 +36,9 @@ class Counters:
     chunks_failed: int = 0
     chunks_inflight: int = 0
     chunks_refused: int = 0
+    # Per page (F34): a chunk stored in part has at least one page not confirmed.
+    # Invariant: chunks_store_partial <= pages_store_unconfirmed <= pages_store_failed
+    chunks_store_partial: int = 0
     chunks_submitted: int = 0
     completions_delivered: int = 0
     load_pages_inflight: int = 0
@@ -55,6 +61,10 @@ class Counters:
     pages_store_failed: int = 0
     pages_store_retried: int = 0
     pages_store_skipped: int = 0
+    pages_store_unconfirmed: int = 0
+    # pages_store_unreachable: confirmed after a page of their chunk that was not, so in
+    # the store but never counted stored. Invariant: in the pages ledger (module doc).
+    pages_store_unreachable: int = 0
     pages_stored: int = 0
     pages_submitted: int = 0
     released_aborted: int = 0
@@ -134,11 +144,24 @@ class Statistics:
     storage write of it fails after its release. An aborted request loses nothing."""
     pages_refused: int
     pages_stored: int
-    """Pages written to the storage tier."""
+    """Pages written to the storage tier and reachable: each confirmed by the store (F34),
+    as was every page before it in its chain."""
     pages_store_failed: int
-    """Pages whose storage write failed (after retries); their host pages were returned."""
+    """Pages whose storage write failed (after retries): not confirmed by the store;
+    their host pages were returned."""
+    chunks_store_partial: int
+    """Chunks whose storage write ended (after retries) with some pages confirmed by the
+    store and others not (F34): only the confirmed ones before the first unconfirmed
+    page count as stored; the chain breaks there (F33)."""
+    pages_store_unconfirmed: int
+    """Pages of those partial chunks the store never confirmed, dropped after their
+    retries (each also counted in ``pages_store_failed``)."""
+    pages_store_unreachable: int
+    """Pages the store confirmed after an unconfirmed page of the same chunk (F34): in the
+    store, but no lookup reaches them past the hole, so not counted as stored."""
     pages_store_retried: int
-    """Pages re-sent by a retried storage write (a chunk of n pages retried once adds n)."""
+    """Pages re-sent by a retried storage write: a retry re-sends only the pages the store
+    has not confirmed (a chunk of n pages retried once after a plain failure adds n)."""
     pages_store_skipped: int
     """Copied pages never written because an earlier page of their request's chain was
     not stored (its copy or write failed, or the request was aborted first): written,

@@ -5,6 +5,11 @@ request's chunks may finish copying out of order; their writes go to the store i
 order: a chunk whose earlier chunk is still in flight is *held* here and joins the
 queue when that one did. A failed write is a hole in the request's chain: the core
 stops its offload there (live) or counts the pages after it lost (released).
+
+Per page (FAILURES F34): a write the store confirmed in part (the writer's
+:class:`~kvoffload.PartialWriteError`, one flag per page) is a hole at its first
+unconfirmed page. The pages before it count as stored; the confirmed pages after it are
+in the store but unreachable (``pages_store_unreachable``); the others failed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from kvoffload.abc import Transfer, WriteChain, WriteJob
 from kvoffload.core.events import DEBUG, Events, logger
 from kvoffload.core.lifecycle import Lifecycle, LifecycleId
 from kvoffload.core.stats import Counters
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import KVOffloadError, PartialWriteError
 
 if TYPE_CHECKING:
     from kvoffload.config import OffloadConfig
@@ -156,16 +161,49 @@ class Writes:
         n = len(job.host_pages)
         c = self.counters
         c.pages_in_write -= n
-        if attempts > 1:
-            c.pages_store_retried += (attempts - 1) * n
+        retried = (attempts - 1) * n if job.resent is None else job.resent
+        if retried > 0:
+            c.pages_store_retried += retried
         self.host_pool.free(job.host_pages)
         return job
 
-    def count(self, job: WriteJob, stored: bool, attempts: int, error: BaseException | None) -> None:
-        """Count a finished job's outcome; a burst of failures is logged once."""
+    def done(
+        self, job_id: int, stored: bool, attempts: int, error: BaseException | None
+    ) -> tuple[Lifecycle | None, int]:
+        """The writer finished job ``job_id``: it leaves the queue (:meth:`pop`), a page
+        not stored is a hole (:meth:`hole`) and the outcome is counted per page
+        (:meth:`count`). Returns the live lifecycle whose offload must stop, and the
+        token where (the job's first page not confirmed, F34), or ``(None, -1)``.
+
+        The job's pages confirmed by the store: all when ``stored``; else the flags of
+        ``error`` when it is a :class:`~kvoffload.PartialWriteError` with one flag per
+        page of the job; else none."""
+        job = self.pop(job_id, attempts)
+        n = len(job.host_pages)
+        reach, after = n, 0  # leading pages confirmed; pages confirmed after the first not
+        if not stored:
+            flags = error.stored if isinstance(error, PartialWriteError) else ()
+            if len(flags) != n:
+                flags = ()
+            reach = flags.index(False) if False in flags else len(flags)
+            after = sum(flags[reach:])
+        lc: Lifecycle | None = None
+        at = -1
+        if reach < n:
+            at = job.first_token + reach * self.config.page_size
+            lc = self.hole(job, at)
+        self.count(job, reach, after, attempts, error)
+        return lc, at
+
+    def count(
+        self, job: WriteJob, reach: int, after: int, attempts: int, error: BaseException | None
+    ) -> None:
+        """Count a finished job's outcome per page: ``reach`` leading pages confirmed
+        (stored), ``after`` pages confirmed after the first unconfirmed one (unreachable),
+        the rest failed - or skipped, after 0 attempts. A burst of failures is logged once."""
         n = len(job.host_pages)
         c = self.counters
-        if stored:
+        if reach == n:
             c.pages_stored += n
             if self.burst.since is not None:
                 self._recovered(job)
@@ -176,18 +214,26 @@ class Writes:
         elif attempts == 0:  # not written: its chain broke before it (F33)
             c.pages_store_skipped += n
         else:
-            c.pages_store_failed += n
-            self._store_failed(job, attempts, error)
+            failed = n - reach - after
+            c.pages_stored += reach
+            c.pages_store_unreachable += after
+            c.pages_store_failed += failed
+            if reach or after:  # the store confirmed part of the chunk (F34)
+                c.chunks_store_partial += 1
+                c.pages_store_unconfirmed += failed
+            self._store_failed(job, attempts, error, failed, reach, after)
 
-    def hole(self, job: WriteJob) -> Lifecycle | None:
-        """Job ``job`` was not stored: its lifecycle's chain ends before it (F33). Returns
-        the live lifecycle whose offload must stop there (the core stops it); for a
-        released one (not aborted) the pages from there on are lost, counted on the
-        lifecycle (while anyone holds it) and in ``pages_lost``, and it returns None."""
+    def hole(self, job: WriteJob, first: int | None = None) -> Lifecycle | None:
+        """Job ``job`` was not stored from token ``first`` on (default: its first token):
+        its lifecycle's chain ends there (F33, F34). Returns the live lifecycle whose
+        offload must stop there (the core stops it); for a released one (not aborted)
+        the pages from there on are lost, counted on the lifecycle (while anyone holds
+        it) and in ``pages_lost``, and it returns None."""
         chain = job.chain
         if not isinstance(chain, _Chain):
             return None
-        first = job.first_token
+        if first is None:
+            first = job.first_token
         lc = chain.lc()
         if chain.reach < 0:  # live (or aborted)
             return lc if lc is not None and not lc.released else None
@@ -200,15 +246,27 @@ class Writes:
                 lc._stop = first
         return None
 
-    def _store_failed(self, job: WriteJob, attempts: int, error: BaseException | None) -> None:
+    def _store_failed(
+        self,
+        job: WriteJob,
+        attempts: int,
+        error: BaseException | None,
+        n: int,
+        stored: int = 0,
+        unreachable: int = 0,
+    ) -> None:
+        """``n`` pages of ``job`` failed (``stored`` of its pages were stored and
+        ``unreachable`` confirmed after the hole: a partial write, F34)."""
         burst = self.burst
-        n = len(job.host_pages)
         now = self.events.clock()
+        partial = {"pages_stored": stored, "pages_unreachable": unreachable}  # (a partial write, F34)
         if burst.since is None:
             burst.since = now
             burst.last_log = now
             burst.logged_pages = n
-            logger.warning("storage.failed", transfer=job.id, pages=n, attempts=attempts, error=repr(error))
+            logger.warning(
+                "storage.failed", transfer=job.id, pages=n, attempts=attempts, error=repr(error), **partial
+            )
         elif now - burst.last_log >= self.log_interval_s:
             logger.warning(
                 "storage.failed",
@@ -221,7 +279,7 @@ class Writes:
         burst.chunks += 1
         burst.pages += n
         if self.events.listeners:
-            self._notify("storage.failed", job, attempts=attempts, error=repr(error))
+            self._notify("storage.failed", job, n, attempts=attempts, error=repr(error), **partial)
 
     def _recovered(self, job: WriteJob) -> None:
         burst = self.burst
@@ -237,8 +295,9 @@ class Writes:
         if self.events.listeners:
             self._notify("storage.recovered", job, **fields)
 
-    def _notify(self, name: str, job: WriteJob, **extra: Any) -> dict[str, object]:
-        n = len(job.host_pages)
+    def _notify(self, name: str, job: WriteJob, n: int | None = None, /, **extra: Any) -> dict[str, object]:
+        if n is None:
+            n = len(job.host_pages)
         fields: dict[str, object] = {"lifecycle": job.lifecycle_id, "rid": job.rid, "transfer": job.id}
         fields.update(pages=n, bytes=n * self.page_bytes, t=self.events.clock(), **extra)
         self.events.notify(name, fields)

@@ -61,6 +61,7 @@ from kvoffload.errors import (
     BackendError,
     ConfigError,
     KVOffloadError,
+    PartialWriteError,
     RanksDiverged,
     RankTimeout,
     StorageError,
@@ -103,7 +104,8 @@ _CHECKED = (
     (_WRITES, "storage writes pending"),
     (_ADMITTED, "lifecycles admitted"),
 )
-#: Slot codes: not finished here / failed here / done here.
+#: Copy slot codes: not finished here / failed here / done here. (A write's slot is
+#: 0 until finished here, then 1 + its pages stored here: :func:`_write_code`.)
 _WAITING, _FAILED, _DONE = 0, 1, 2
 _NO_LIMIT = 1 << 62
 
@@ -116,7 +118,22 @@ def _failed_elsewhere(t: Transfer) -> BackendError:
 
 
 def _write_code(held: WriteResult | None) -> int:
-    return _WAITING if held is None else _DONE if held[1] else _FAILED
+    """A write's slot: ``_WAITING`` until this rank finished it, then 1 + the pages this
+    rank's store confirmed from the job's first page on (F34), so the MIN over the
+    ranks is 1 + the prefix every rank stored."""
+    return _WAITING if held is None else 1 + _reach(held)
+
+
+def _reach(held: WriteResult) -> int:
+    """How many leading pages of a finished write the store confirmed (F34)."""
+    job, stored, _, error = held
+    n = len(job.host_pages)
+    if stored:
+        return n
+    flags = error.stored if isinstance(error, PartialWriteError) else ()
+    if len(flags) != n:
+        return 0
+    return flags.index(False) if False in flags else n
 
 
 class Agreed(NamedTuple):
@@ -508,10 +525,18 @@ class RankAgreement:
         for i, code in enumerate(a[base : base + len(jobs)].tolist()):
             if not code:
                 continue
-            job, stored, attempts, error = self.writes.pop(jobs[i].id)
-            if code == _FAILED and stored:
+            held = self.writes.pop(jobs[i].id)
+            job, stored, attempts, error = held
+            reach, n = code - 1, len(job.host_pages)  # the prefix every rank stored (F34)
+            if reach < n and (stored or isinstance(error, PartialWriteError) or _reach(held) > reach):
+                # Every rank counts the same pages: the agreed prefix, nothing after it.
                 stored = False
-                error = StorageError(f"the storage write of {job!r} failed on another rank")
+                why = f"the storage write of {job!r} failed on another rank"
+                if reach:
+                    flags = [p < reach for p in range(n)]
+                    error = PartialWriteError(f"{why} from its page {reach} on", flags)
+                else:
+                    error = StorageError(why)
             out.writes.append((job, stored, attempts, error))
 
     def _all_reduce(self, kind: int) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from kvoffload.abc import Storage
-from kvoffload.errors import ConfigError, StorageError, UnsupportedKVPool
+from kvoffload.errors import ConfigError, PartialWriteError, StorageError, UnsupportedKVPool
 
 if TYPE_CHECKING:
     import torch
@@ -277,7 +277,7 @@ class SGLangFileFormat(_PutOnThread):
 
     def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
         _check_sizes(self.fmt, pages)
-        for key, page in zip(keys, pages, strict=True):
+        for done, (key, page) in enumerate(zip(keys, pages, strict=True)):
             path = self.path(key)
             if os.path.exists(path):
                 self.pages_found += 1
@@ -290,7 +290,12 @@ class SGLangFileFormat(_PutOnThread):
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
-                raise StorageError(f"SGLang file format: cannot write {path}: {exc}") from exc
+                message = f"SGLang file format: cannot write {path}: {exc}"
+                if done:  # the pages before it are stored: say so, page by page (F34)
+                    stored = [i < done for i in range(len(keys))]
+                    why = [None if s else message for s in stored]
+                    raise PartialWriteError(message, stored, why) from exc
+                raise StorageError(message) from exc
             self.pages_written += 1
 
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -21,7 +21,8 @@ pool's layout (``--hicache-mem-layout``). :class:`SGLangHiCacheStorage` is a kvo
    ``get_data_page`` for the others (file);
 4. counts a page stored only where the backend confirmed it (``batch_set_v1``'s
    per-page result; after a ``batch_set`` that failed, ``exists`` per page): a batch
-   with an unconfirmed page raises :class:`~kvoffload.StorageError` (F34).
+   with an unconfirmed page raises :class:`~kvoffload.PartialWriteError` naming the
+   pages confirmed (F34, SGLang #38316), so kvoffload counts exactly those.
 
 Reads (``get`` / ``get_into``, kvoffload's load path) go the same way back, and
 ``exists_prefix`` is the backend's ``batch_exists``.
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from kvoffload.abc import Storage
-from kvoffload.errors import ConfigError, StorageError, UnsupportedKVPool
+from kvoffload.errors import ConfigError, PartialWriteError, StorageError, UnsupportedKVPool
 from kvoffload.integrations.sglang_format import (
     LAYOUTS,
     SGLANG_FILE_DIR,
@@ -146,16 +147,48 @@ class SGLangHiCacheStorage(_PutOnThread):
     # --- writes ----------------------------------------------------------------------------
 
     def _put_sync(self, keys: list[str], pages: Sequence[bytes | memoryview]) -> None:
+        """Write every page SGLang's backend does not hold yet; raise unless the backend
+        confirmed every page (F34): :class:`~kvoffload.PartialWriteError` naming the
+        pages it confirmed (held already, or written and confirmed) when some were, a
+        plain :class:`~kvoffload.StorageError` when none was. A batch or staging part
+        that fails does not stop the others."""
         _check_sizes(self.fmt, pages)
+        # ok[i]: the backend confirmed page i; why[i]: why not (None where it did).
+        ok = [False] * len(keys)
+        why: list[str | None] = ["not written"] * len(keys)
         with self._lock:
             for start in range(0, len(keys), BATCH):
                 batch = keys[start : start + BATCH]
-                have = self._stored_prefix(batch)
+                try:
+                    have = self._stored_prefix(batch)
+                except StorageError as exc:
+                    why[start : start + len(batch)] = [str(exc)] * len(batch)
+                    continue
                 self.pages_found += have
+                for i in range(start, start + have):
+                    ok[i], why[i] = True, None
                 todo = list(range(start + have, start + len(batch)))
                 room = max(1, self.host_pool.available_size() // self.fmt.page_size)
                 for i in range(0, len(todo), room):
-                    self._write(keys, pages, todo[i : i + room])
+                    which = todo[i : i + room]
+                    try:
+                        got = self._write(keys, pages, which)
+                        reason = f"SGLang {self.backend_name} storage did not confirm the page"
+                    except StorageError as exc:
+                        got, reason = [False] * len(which), str(exc)
+                    for j, good in zip(which, got, strict=True):
+                        ok[j], why[j] = good, None if good else reason
+        bad = ok.count(False)
+        if not bad:
+            return
+        first = keys[ok.index(False)]
+        message = (
+            f"SGLang {self.backend_name} storage did not confirm {bad} of {len(keys)} page(s) "
+            f"(first {first[:16]}...: {why[ok.index(False)]}): not counted as stored"
+        )
+        if bad == len(keys):
+            raise StorageError(message)
+        raise PartialWriteError(message, ok, why)
 
     def _stored_prefix(self, keys: list[str]) -> int:
         try:
@@ -163,9 +196,10 @@ class SGLangHiCacheStorage(_PutOnThread):
         except Exception as exc:
             raise StorageError(f"SGLang {self.backend_name} storage: batch_exists failed: {exc}") from exc
 
-    def _write(self, keys: list[str], pages: Sequence[bytes | memoryview], which: list[int]) -> None:
-        """Stage pages ``which`` in SGLang's host pool and write them; raise
-        :class:`~kvoffload.StorageError` unless the backend confirmed every one."""
+    def _write(self, keys: list[str], pages: Sequence[bytes | memoryview], which: list[int]) -> list[bool]:
+        """Stage pages ``which`` in SGLang's host pool and write them: whether the
+        backend confirmed each (F34). Raises :class:`~kvoffload.StorageError` when the
+        write could not be made (no staging room, the backend raised)."""
         hp, ps = self.host_pool, self.fmt.page_size
         idx = hp.alloc(len(which) * ps)
         if idx is None:
@@ -182,12 +216,7 @@ class SGLangHiCacheStorage(_PutOnThread):
         finally:
             hp.free(idx)
         self.pages_written += sum(ok)
-        if not all(ok):
-            missing = [k for k, good in zip(batch, ok, strict=True) if not good]
-            raise StorageError(
-                f"SGLang {self.backend_name} storage did not confirm {len(missing)} of {len(batch)} "
-                f"page(s) (first {missing[0][:16]}...): not counted as stored"
-            )
+        return ok
 
     def _set(self, keys: list[str], idx: torch.Tensor) -> list[bool]:
         """The write SGLang's controller makes for this backend; per-page results."""

@@ -81,14 +81,16 @@ class StepPlan:
 class RankReport:
     """What one or more workers did since their last report (plain data).
 
-    ``copies[id] = (ranks, error)``, ``writes[id] = (ranks, stored, error)``,
+    ``copies[id] = (ranks, error)``, ``writes[id] = (ranks, pages_stored, error)``,
     ``loads[id] = (ranks, pages_loaded, error)``: ``ranks`` counts the workers that
     reported the job (1 from one worker; :meth:`merge` adds them up), ``error`` is the
-    first failure's text or ``None``, ``stored`` holds only if every rank stored its
-    shard, ``pages_loaded`` is the fewest leading pages any rank loaded."""
+    first failure's text or ``None``, ``pages_stored`` is the fewest leading pages of
+    the job any rank's store confirmed (per page, F34: a page is stored only where
+    every rank stored its shard), ``pages_loaded`` the fewest leading pages any rank
+    loaded."""
 
     copies: dict[int, tuple[int, str | None]] = field(default_factory=dict)
-    writes: dict[int, tuple[int, bool, str | None]] = field(default_factory=dict)
+    writes: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
     loads: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
 
     def merge(self, other: RankReport) -> RankReport:
@@ -101,7 +103,7 @@ class RankReport:
         for k, (n, s, e) in other.writes.items():
             if k in writes:
                 m, t, f = writes[k]
-                writes[k] = (m + n, t and s, f if f is not None else e)
+                writes[k] = (m + n, min(t, s), f if f is not None else e)
             else:
                 writes[k] = (n, s, e)
         loads = dict(self.loads)

@@ -49,7 +49,7 @@ from kvoffload.core.events import logger
 from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
-from kvoffload.errors import BackendError, ConfigError, KVOffloadError, StorageError
+from kvoffload.errors import BackendError, ConfigError, KVOffloadError, PartialWriteError, StorageError
 from kvoffload.integrations.vllm_keys import page_keys, refusal, request_seed
 from kvoffload.integrations.vllm_messages import CopyJob, LoadJob, RankReport, StepPlan, WriteOrder
 from kvoffload.integrations.vllm_settings import SETTING_KEYS, Settings
@@ -69,6 +69,8 @@ __all__ = [
 ]
 
 _RELEASED = LifecycleState.RELEASED
+#: A write no rank reported yet: every page counts as stored until one says fewer.
+_ALL = 1 << 62
 
 
 # --- the scheduler's records ---------------------------------------------------------
@@ -173,7 +175,7 @@ class Planner:
         self._copy_of: dict[int, int] = {}
         # _counts: ranks that reported each job so far, until world_size did.
         self._copy_counts: dict[int, tuple[int, str | None]] = {}
-        self._write_counts: dict[int, tuple[int, bool, str | None]] = {}
+        self._write_counts: dict[int, tuple[int, int, str | None]] = {}
         self._load_counts: dict[int, tuple[int, int, str | None]] = {}
         self._plan = StepPlan()
         self._refused_logged = False
@@ -453,13 +455,18 @@ class Planner:
         if done:
             self._released(self.core.complete(done))
         for jid, (n, stored, err) in report.writes.items():
-            m, s, e = self._write_counts.pop(jid, (0, True, None))
-            m, s, e = m + n, s and stored, e if e is not None else err
+            m, s, e = self._write_counts.pop(jid, (0, _ALL, None))
+            m, s, e = m + n, min(s, stored), e if e is not None else err
             if m < ws:
                 self._write_counts[jid] = (m, s, e)
                 continue
-            if jid in self.core.writes:
-                self._released(self.core.write_done(jid, s, error=None if e is None else StorageError(e)))
+            job = self.core.writes.get(jid)
+            if job is not None:  # per page (F34): the leading pages every rank stored
+                total = len(job.host_pages)
+                error: StorageError | None = None if e is None else StorageError(e)
+                if 0 < s < total:
+                    error = PartialWriteError(e or "not stored", [i < s for i in range(total)])
+                self._released(self.core.write_done(jid, s >= total, error=error))
         for lid, (n, pages, err) in report.loads.items():
             m, p, e = self._load_counts.pop(lid, (0, pages, None))
             m, p, e = m + n, min(p, pages), e if e is not None else err

@@ -45,7 +45,7 @@ from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm_messages import LoadJob, RankReport, StepPlan
 from kvoffload.pools import EnginePages, HostPool
-from kvoffload.storage.writer import ThreadWriter, WritePolicy
+from kvoffload.storage.writer import ThreadWriter, WritePolicy, stored_prefix
 
 if TYPE_CHECKING:
     import torch
@@ -244,7 +244,7 @@ class Mover:
                 )
             if self.writer is None:
                 for w in plan.writes:
-                    self._report.writes[w.id] = (1, False, "no storage")
+                    self._report.writes[w.id] = (1, 0, "no storage")
             else:
                 self.writer.put(jobs)
         for job in plan.loads:
@@ -321,8 +321,9 @@ class Mover:
         """Collect what finished since the last call: copies, writes, loads."""
         self._take_copies()
         if self.writer is not None:
-            for wjob, stored, _attempts, err in self.writer.take_results():
-                self._report.writes[wjob.id] = (1, stored, None if err is None else repr(err))
+            for result in self.writer.take_results():  # per page (F34): the prefix stored
+                wjob, err = result[0], result[3]
+                self._report.writes[wjob.id] = (1, stored_prefix(result), None if err is None else repr(err))
         with self._lock:
             loaded = list(self._loaded)
             self._loaded.clear()

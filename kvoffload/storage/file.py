@@ -5,11 +5,13 @@ plain file name is stored under its SHA-256 instead). Each file is a record
 (:mod:`kvoffload.storage._record`): a header with the key, the payload length and a
 checksum, then the page.
 
-A page is written to a temporary name in the same directory and renamed over the
-real name, so a crash mid-write leaves at most a ``.tmp`` file, never a torn page
-under a real key; a truncated, corrupt or mis-keyed file reads as missing. Temporary
-files of writers that died are removed when a store opens. All file I/O runs on a
-worker thread, one hop per batch, so the event loop never blocks on the disk.
+A page is written to a temporary name in the same directory and renamed over the real
+name, so a crash mid-write leaves at most a ``.tmp`` file, never a torn page under a
+real key; a batch reports per page which renames happened (a page that fails does not
+stop the others: :class:`~kvoffload.PartialWriteError`, F34); a truncated, corrupt or
+mis-keyed file reads as missing. Temporary files of writers that died are removed when
+a store opens. All file I/O runs on a worker thread, one hop per batch, so the event
+loop never blocks on the disk.
 
 Nothing outside the root is read or written: below the root every directory and file
 is opened relative to its parent's descriptor with ``O_NOFOLLOW``, so a symlink (to a
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from kvoffload.abc import Storage
-from kvoffload.errors import ConfigError, StorageError
+from kvoffload.errors import ConfigError, PartialWriteError, StorageError
 from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header, header_size, intact, payload_offset
 
@@ -185,6 +187,8 @@ class FileStorage(Storage):
             raise StorageError(f"file storage: cannot write under {self.root}: {exc}") from exc
         assert root_fd is not None
         dirs: dict[str, int] = {}
+        # errors[i]: why page i was not renamed into place; None once it was (F34).
+        errors: list[str | None] = []
         try:
             for key, page in zip(keys, pages, strict=True):
                 d, name = _place(key)
@@ -194,12 +198,24 @@ class FileStorage(Storage):
                         dfd = dirs[d] = self._open_dir(root_fd, d, create=True)  # type: ignore[assignment]
                     assert dfd is not None
                     self._write_one(dfd, name, encode_header(key, page), page)
-                except OSError as exc:
-                    raise StorageError(f"file storage: cannot write {self.root / d / name}: {exc}") from exc
+                except (OSError, StorageError) as exc:  # this page: the others are still written
+                    errors.append(f"file storage: cannot write {self.root / d / name}: {exc}")
+                else:
+                    errors.append(None)
         finally:
             for fd in dirs.values():
                 os.close(fd)
             os.close(root_fd)
+        failed = [e for e in errors if e is not None]
+        if not failed:
+            return
+        if len(failed) == len(errors):
+            raise StorageError(failed[0] if len(failed) == 1 else f"{failed[0]} (and every other page)")
+        raise PartialWriteError(
+            f"file storage: {len(failed)} of {len(errors)} page(s) not stored (first: {failed[0]})",
+            [e is None for e in errors],
+            errors,
+        )
 
     def _write_one(self, dfd: int, name: str, header: bytes, page: bytes | memoryview) -> None:
         tmp = f".{name}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"

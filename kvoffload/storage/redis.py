@@ -3,7 +3,9 @@
 Each page is one string value under ``<prefix><page key>``; the value is a record
 (:mod:`kvoffload.storage._record`: the key, the payload length and a checksum, then
 the page), so a value that is truncated, corrupt or was written under another key
-reads as missing. A batch is one pipeline (no MULTI): one round trip per chunk.
+reads as missing. A batch is one pipeline (no MULTI): one round trip per chunk,
+and one reply per SET, so a batch the server refused in part says which pages it
+stored (:class:`~kvoffload.PartialWriteError`, F34).
 Writes pack their SETs by hand so that a record goes out as its header and the page's
 own memory (a host page is never copied on the way; redis-py's pipeline would need
 the value as one ``bytes``).
@@ -24,7 +26,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import anyio
 
 from kvoffload.abc import Storage
-from kvoffload.errors import ConfigError, MissingDependency, StorageError
+from kvoffload.errors import ConfigError, MissingDependency, PartialWriteError, StorageError
 from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header
 from kvoffload.storage._url import redact, scrub
@@ -157,7 +159,8 @@ class RedisStorage(Storage):
             conn = await (get() if _get_connection_takes_no_argument() else get("SET"))
         except (RedisError, OSError) as exc:
             raise self._error("write", exc) from exc
-        refused: list[BaseException] = []
+        # refused[i]: the server's error reply to page i's SET, None where it replied OK (F34).
+        refused: list[BaseException | None] = []
         in_step = False
         try:
             await conn.send_packed_command(chunks)
@@ -165,8 +168,10 @@ class RedisStorage(Storage):
             for _ in range(len(keys)):
                 try:
                     await conn.read_response()
-                except ResponseError as exc:  # this SET was refused (OOM, a read-only replica)
+                except ResponseError as exc:  # this SET was refused (OOM, a read-only replica, an ACL)
                     refused.append(exc)
+                else:
+                    refused.append(None)
             in_step = True
         except (RedisError, OSError) as exc:
             raise self._error("write", exc) from exc
@@ -175,8 +180,17 @@ class RedisStorage(Storage):
                 if not in_step:
                     await conn.disconnect(nowait=True)
                 await pool.release(conn)
-        if refused:
-            raise self._error("write", refused[0]) from refused[0]
+        bad = [e for e in refused if e is not None]
+        if not bad:
+            return
+        if len(bad) == len(refused):
+            raise self._error("write", bad[0]) from bad[0]
+        first = self._error("write", bad[0])
+        raise PartialWriteError(
+            f"{first} ({len(bad)} of {len(refused)} SET(s) refused)",
+            [e is None for e in refused],
+            [None if e is None else str(self._error("write", e)) for e in refused],
+        ) from bad[0]
 
     def _error(self, what: str, exc: BaseException) -> StorageError:
         detail = scrub(repr(exc), self._raw_url)

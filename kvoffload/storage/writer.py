@@ -12,13 +12,16 @@ driver's loop, and :class:`ThreadWriter`, a thread with an event loop of its own
 the sync driver (whose ``poll()`` only starts writes and collects what finished).
 
 Failure policy (:class:`WritePolicy`): a chunk is tried up to ``attempts`` times with
-exponential backoff; then its pages are counted as failed and its host pages
-returned. After a chunk has failed, the store is taken as down: the next chunks get
-one try each (no retries, no backoff) until one succeeds, so a dead store costs one
-failed call per chunk and never stalls the queue. The core logs failures once per
-*burst*: a ``storage.failed`` warning when the first chunk fails, a reminder at most
-every ``log_interval_s`` while it lasts, and ``storage.recovered`` with the burst's
-totals at the first success.
+exponential backoff; then its pages are counted as failed and its host pages returned.
+Per page (FAILURES F34): when the store stored part of a batch
+(:class:`~kvoffload.PartialWriteError`), a retry re-sends only the pages it did not
+confirm, and what is still unconfirmed after the attempts is reported page by page, so
+the core counts as stored exactly the pages the store confirmed. After a chunk has
+failed, the store is taken as down: the next chunks get one try each (no retries, no
+backoff) until one succeeds, so a dead store costs one failed call per chunk and never
+stalls the queue. The core logs failures once per *burst*: a ``storage.failed`` warning
+when the first chunk fails, a reminder at most every ``log_interval_s`` while it lasts,
+and ``storage.recovered`` with the burst's totals at the first success.
 
 No holes (FAILURES F33): a page is reachable only when every page before it in its
 chain is stored, so once a chunk of a request was not stored, the later chunks of that
@@ -42,13 +45,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.to_thread
 
-from kvoffload.errors import ConfigError, KVOffloadError, StorageError
+from kvoffload.errors import ConfigError, KVOffloadError, PartialWriteError, StorageError
 
 if TYPE_CHECKING:
     from kvoffload.abc import Storage, WriteJob
     from kvoffload.pools import HostPool
 
-__all__ = ["AsyncWriter", "ThreadWriter", "WritePolicy", "WriteResult", "page_bytes", "write_job"]
+__all__ = [
+    "AsyncWriter",
+    "ThreadWriter",
+    "WritePolicy",
+    "WriteResult",
+    "page_bytes",
+    "stored_prefix",
+    "write_job",
+]
 
 _T = TypeVar("_T")
 
@@ -91,6 +102,20 @@ class WritePolicy:
 
 #: A finished job: (job, stored, attempts, error or None).
 WriteResult = tuple["WriteJob", bool, int, "BaseException | None"]
+
+
+def stored_prefix(result: WriteResult) -> int:
+    """How many leading pages of a finished job its store confirmed (F34): all of them
+    when stored, else the leading True flags of its :class:`~kvoffload.PartialWriteError`
+    (none for any other error, or flags that do not match the job)."""
+    job, stored, _, error = result
+    n = len(job.host_pages)
+    if stored:
+        return n
+    flags = error.stored if isinstance(error, PartialWriteError) else ()
+    if len(flags) != n:
+        return 0
+    return flags.index(False) if False in flags else n
 
 
 class WriterState:
@@ -142,35 +167,89 @@ async def write_job(
     the result (STYLE 13); only ``KeyboardInterrupt``, ``SystemExit`` and a cancellation
     of the writer's own task propagate.
 
+    Per-page truth (F34): a store that stored part of a batch says which pages
+    (:class:`~kvoffload.PartialWriteError`); a retry re-sends only the pages not yet
+    confirmed, and ``job.resent`` counts the pages re-sent. The job is stored
+    (``(job, True, attempts, None)``) once every page was confirmed; else it is
+    ``(job, False, attempts, error)``, where ``error`` is a PartialWriteError with one
+    flag per page of the job (what the store confirmed over all attempts) when any page
+    was confirmed, and the last error otherwise (no page confirmed). A
+    PartialWriteError whose flags do not match the pages sent confirms none.
+
     No holes (F33): a job whose chain broke (an earlier job of its request was not
-    stored) is not written - ``(job, False, 0, StorageError)`` - and a job that fails
-    breaks its chain, so nothing of that request is stored after a page the store lacks.
+    stored) is not written - ``(job, False, 0, StorageError)`` - and a job with a page
+    not stored breaks its chain, so nothing of that request is stored after a page
+    the store lacks (a page confirmed after it is in the store, but unreachable).
 
     The store reads the pages from the host pool (``Storage.put_pages``): they are held
     until the core hears the result, so they are stable for every attempt; how it reads
     them is the store's business (``threaded_read`` is ignored)."""
     chain = job.chain
+    job.resent = 0
     if chain is not None and chain.broken:  # an earlier page of its chain is not stored (F33)
         return (job, False, 0, StorageError(_SKIPPED))
     attempts = 1 if state.down else policy.attempts
     error: BaseException | None = None
+    keys, pages = job.keys, job.host_pages
+    # confirmed[i]: the store confirmed page i (in any attempt); todo: the pages not yet.
+    # Invariant: todo == [i for i in range(len(keys)) if not confirmed[i]]
+    confirmed = [False] * len(keys)
+    todo = list(range(len(keys)))
+    reasons: dict[int, str] = {}
+    resent = 0
     for attempt in range(attempts):
         if attempt:
             await anyio.sleep(policy.backoff(attempt - 1))
+            job.resent = resent = resent + len(todo)
+        whole = len(todo) == len(keys)
         try:
-            await storage.put_pages(job.keys, pool, job.host_pages)
+            if whole:
+                await storage.put_pages(keys, pool, pages)
+            else:
+                await storage.put_pages([keys[i] for i in todo], pool, [pages[i] for i in todo])
         except (KeyboardInterrupt, SystemExit):
             raise
+        except PartialWriteError as exc:  # part of the batch stored: one flag per page sent
+            error = exc
+            if len(exc.stored) != len(todo):  # a store's bug: it confirms nothing
+                error = StorageError(
+                    f"{storage.name} storage answered {len(exc.stored)} per-page flag(s) for a batch "
+                    f"of {len(todo)}: no page of it counts as confirmed ({exc})"
+                )
+                for i in todo:
+                    reasons[i] = str(error)
+            else:
+                for i, ok, why in zip(todo, exc.stored, exc.errors, strict=True):
+                    if ok:
+                        confirmed[i] = True
+                    else:
+                        reasons[i] = why or str(exc)
+                todo = [i for i in todo if not confirmed[i]]
+                if not todo:
+                    break
+            continue
         except BaseException as exc:  # a store may raise anything; it is this chunk's failure
             if isinstance(exc, asyncio.CancelledError) and _cancelling():
                 raise  # the writer itself is cancelled (the manager is closing), not the store
             error = exc
+            for i in todo:
+                reasons[i] = repr(exc)
             continue
+        todo = []
+        break
+    if not todo:
         state.down = False
         return (job, True, attempt + 1, None)
     state.down = True
     if chain is not None:
         chain.broken = True  # the later jobs of this request are not written after the hole
+    if any(confirmed):
+        error = PartialWriteError(
+            f"{len(todo)} of {len(keys)} page(s) not confirmed by the store after {attempts} "
+            f"attempt(s): {error!r}",
+            confirmed,
+            [None if ok else reasons.get(i, repr(error)) for i, ok in enumerate(confirmed)],
+        )
     return (job, False, attempts, error)
 
 

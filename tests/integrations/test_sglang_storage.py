@@ -658,6 +658,100 @@ def test_a_write_sglang_did_not_confirm_is_not_counted_stored(tmp_path: Path) ->
         assert asyncio.run(store.exists_prefix(["k1", "k2"])) == 1
 
 
+def test_a_batch_set_that_failed_in_part_says_which_pages_sglang_stored(tmp_path: Path) -> None:
+    """F34 (SGLang #38316): SGLang's ``batch_set`` answers one bool for the batch; the
+    adapter asks ``exists`` per page and raises PartialWriteError with one flag per
+    page - k1 stored, k2 refused, k3 never written (HiCacheFile stops at the failure) -
+    so kvoffload counts exactly the stored page, never the batch."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    with published("page_first"):
+        pool = real_pool("mha")
+        tensors = engine_kv_tensors(pool, PS)[1]
+        pages = [b"".join(t[p].numpy().tobytes() for t in tensors) for p in (1, 2, 3)]
+        store = sglang_storage(
+            "file", {"file_storage_path": str(tmp_path)}, MODEL, 0, 1, "page_first", pool, page_size=PS
+        )
+        backend = store.backend  # type: ignore[attr-defined]
+        real_set = HiCacheFile.set
+
+        def second_fails(key: str, value: Any = None, *a: Any) -> bool:
+            return False if key == "k2" else bool(real_set(backend, key, value, *a))
+
+        backend.set = second_fails
+        with pytest.raises(kvo.PartialWriteError) as caught:
+            asyncio.run(store.put(["k1", "k2", "k3"], pages))
+        assert caught.value.stored == (True, False, False)
+        assert caught.value.errors[0] is None and caught.value.errors[1] is not None
+
+
+def test_a_zero_copy_batch_set_v1_stored_in_part_reports_its_per_key_results() -> None:
+    """F34 (SGLang #38316) on a zero-copy backend: ``batch_set_v1`` answers one bool per
+    key; the middle key refused, the adapter raises PartialWriteError (True, False,
+    True), and exactly the confirmed pages read back."""
+    import sglang_indexed_store as ix
+
+    extra = {"backend_name": "indexed", "module_path": "sglang_indexed_store",
+             "class_name": "IndexedStore", "interface_v1": 1, "store": "partial"}  # fmt: skip
+    ix.STORES.pop("partial", None)
+    ix.WRITES["partial"] = 0
+    with published("page_first"):
+        pool = real_pool("mha")
+        tensors = engine_kv_tensors(pool, PS)[1]
+        for t in tensors:
+            t.copy_(torch.randn_like(t))
+        pages = [b"".join(t[p].numpy().tobytes() for t in tensors) for p in (1, 2, 3)]
+        store = sglang_storage("dynamic", extra, MODEL, 0, 1, "page_first", pool, page_size=PS)
+        assert isinstance(store, SGLangHiCacheStorage) and store.zero_copy
+        backend = store.backend
+        real = type(backend).batch_set_v1
+
+        def refuse_k2(keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+            got = real(backend, keys, host_indices, extra_info)
+            for i, k in enumerate(keys):
+                if k == "k2":
+                    backend.data.pop(k + backend.suffix, None)
+                    got[i] = False
+            return got
+
+        backend.batch_set_v1 = refuse_k2
+        with pytest.raises(kvo.PartialWriteError) as caught:
+            asyncio.run(store.put(["k1", "k2", "k3"], pages))
+        assert caught.value.stored == (True, False, True)
+        assert store.pages_written == 2
+        assert asyncio.run(store.get(["k1", "k2", "k3"])) == [pages[0], None, pages[2]]
+        assert asyncio.run(store.exists_prefix(["k1", "k2", "k3"])) == 1
+
+
+def test_the_file_format_fallback_says_which_pages_of_a_batch_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F34 on the fallback writer (no SGLang storage object): the second page's rename
+    into place fails (ENOSPC, scripted); the first page is written, and the
+    PartialWriteError says so page by page."""
+    import errno
+
+    pool = real_pool("mha")
+    tensors = engine_kv_tensors(pool, PS)[1]
+    pages = [b"".join(t[p].numpy().tobytes() for t in tensors) for p in (1, 2, 3)]
+    fallback = sglang_storage(
+        "file", {"file_storage_path": str(tmp_path)}, MODEL, 0, 1, "page_first", pool, page_size=PS
+    )
+    assert isinstance(fallback, SGLangFileFormat)
+    real_replace = os.replace
+
+    def full_at_k2(src: str, dst: str) -> None:
+        if dst == fallback.path("k2"):
+            raise OSError(errno.ENOSPC, "No space left on device (scripted)")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_at_k2)
+    with pytest.raises(kvo.PartialWriteError) as caught:
+        asyncio.run(fallback.put(["k1", "k2", "k3"], pages))
+    assert caught.value.stored == (True, False, False)
+    assert asyncio.run(fallback.get(["k1"])) == pages[:1]
+
+
 def test_zero_copy_backends_are_sglangs_own_list() -> None:
     """The backends written with ``batch_set_v1`` are those SGLang 0.5.23's controller
     picks its zero-copy page functions for (read from its source)."""

@@ -380,3 +380,48 @@ def close_while_others_poll(ctx: RankContext) -> dict[str, Any]:
     out["state"] = lc.state.name
     out["closed"] = mgr.statistics().device_pages_used == 0 and not mgr._open
     return out
+
+
+def partial_write(ctx: RankContext) -> dict[str, Any]:
+    """F34 under tensor parallelism: each rank offloads the prompt page, then one chunk
+    of three pages, to its own memory store; rank 1's store never confirms its shard
+    of the chunk's second page (it stores the other two). Returns this rank's
+    statistics, lookup and the lifecycle's loss."""
+    from collections.abc import Sequence
+
+    from kvoffload.errors import PartialWriteError
+    from kvoffload.storage.memory import MemoryStorage
+    from kvoffload.storage.writer import WritePolicy
+
+    refused = _chain(list(range(16)))[2] + f"_1_{ctx.size}"
+
+    class Refusing(MemoryStorage):
+        async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+            ok = [k != refused for k in keys]
+            for k, p, good in zip(keys, pages, ok, strict=True):
+                if good:
+                    self.pages[k] = bytes(p)
+            if not all(ok):
+                raise PartialWriteError("scripted: one page refused", ok)
+
+    backend = SimBackend()
+    cfg = config(offload_prompt=True)
+    policy = WritePolicy(attempts=2, backoff_s=0)
+    mgr = kvo.SyncOffloadManager(
+        cfg, backend=backend, group=ctx.group, storage=Refusing(), write_policy=policy
+    )
+    mgr.open()
+    lc = mgr.admit("a", list(range(4)))
+    lc.extend(list(range(4, 16)))
+    lc.finish()
+    backend.complete_all()
+    mgr.quiesce(10)
+    for _ in range(500):  # the writes, agreed
+        mgr.poll()
+        if not mgr.writes_pending:
+            break
+        mgr.wait_progress(0.01)
+    found = mgr.lookup(list(range(16)))
+    mgr.check_invariants()
+    mgr.close()
+    return {"found": found, "lost": lc.pages_lost, "stats": mgr.statistics().as_dict()}

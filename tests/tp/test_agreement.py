@@ -20,6 +20,7 @@ from _rank_scenarios import (
     close_while_others_poll,
     diverged_admissions,
     mismatched_calls,
+    partial_write,
     play,
     quiesce_timeout,
     storage_reads,
@@ -277,3 +278,18 @@ def test_the_suite_fails_on_ranks_that_deliver_without_agreeing(ranks: Callable[
 
     with pytest.raises(AssertionError, match=r"round \d+: rank 0 saw|released in round"):
         agree()
+
+
+def test_a_write_one_rank_stored_in_part_counts_the_same_confirmed_prefix_on_every_rank(
+    ranks: Callable[[int], LocalRanks],
+) -> None:
+    """F34 under TP: a page is stored only when every rank's store confirmed its shard.
+    Rank 1's store refuses its shard of the chunk's second page (and stores the third);
+    every rank agrees on the prefix every rank stored - the prompt page and the chunk's
+    first page - with the same statistics, the same hole (pages_lost) and lookup."""
+    results = ranks(2).run(partial_write)
+    assert [r["found"] for r in results] == [8, 8]
+    assert [r["lost"] for r in results] == [2, 2]
+    stats = [{k: r["stats"][k] for k in ("pages_stored", "pages_store_failed", "chunks_store_partial")}
+             for r in results]  # fmt: skip
+    assert stats == [{"pages_stored": 2, "pages_store_failed": 2, "chunks_store_partial": 1}] * 2

@@ -264,3 +264,40 @@ def test_a_failing_store_lookup_is_a_miss(rig: Rig) -> None:
     req = FakeRequest("r", range(900, 913))
     rig.planner.add(req)
     assert rig.planner.matched(req, 0) == 0
+
+
+def test_a_write_the_store_confirmed_in_part_counts_only_the_confirmed_prefix() -> None:
+    """F34 through the connector: the prefill copies three blocks as one chunk; the
+    store never confirms the second block's page (it stores the first and third). The
+    worker reports the pages it stored from the chunk's start, and the scheduler's core
+    counts exactly that prefix stored - not the chunk, not nothing - and a later lookup
+    loads only it."""
+    from collections.abc import Sequence
+
+    from kvoffload.errors import PartialWriteError
+
+    req = FakeRequest("r", range(900, 913))  # three whole blocks and one token
+
+    class Refusing(MemoryStorage):
+        refused = _keys(req, 3)[1]
+
+        async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+            ok = [k != self.refused for k in keys]
+            self.pages.update((k, bytes(p)) for k, p, good in zip(keys, pages, ok, strict=True) if good)
+            if not all(ok):
+                raise PartialWriteError("scripted: one page refused", ok)
+
+    store = Refusing()
+    rig = Rig(store, stride=3 * BS)
+    try:
+        rig.add(req)
+        plan = rig.step()
+        assert [len(c.device_pages) for c in plan.copies] == [3]
+        rig.settle()
+        s = rig.planner.core.statistics()
+        assert (s.pages_stored, s.chunks_store_partial) == (1, 1)
+        assert s.pages_stored + s.pages_store_failed + s.pages_store_unreachable == 3
+        assert _stored(store, _keys(req, 3)) == [True, False, True]
+        assert rig.add(FakeRequest("s", [*range(900, 913), 1, 2, 3]), load=True) == BS
+    finally:
+        rig.close()
