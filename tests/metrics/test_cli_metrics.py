@@ -24,7 +24,7 @@ QUICK = ["simulate", "--backend", "sim", "--store", "none", "--requests", "2", "
 )
 def test_metrics_options_usage_errors(
     extra: list[str], says: str, capsys: pytest.CaptureFixture[str]
-) -> None:  # noqa: E501
+) -> None:
     """A bad --metrics-port / --linger exits 2 saying what is allowed, before any run."""
     code, out, err = run_cli([*QUICK, *extra], capsys)
     assert code == 2 and says in err, err

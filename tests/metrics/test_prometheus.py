@@ -151,6 +151,15 @@ def test_prometheus_scrapes_a_simulate_run(prometheus: tuple[str, Path], tmp_pat
         values = [float(v) for _, v in series[0]["values"]]
         assert values == sorted(values), values
         assert values[0] < offloaded == values[-1], values
+        # Every expression of the Grafana dashboard is PromQL Prometheus accepts, and the
+        # panels over counters of this run return data.
+        dash = json.loads((ROOT / "docs" / "grafana" / "kvoffload.json").read_text())
+        exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+        answered = 0
+        for expr in exprs:
+            promql = expr.replace('instance=~"$instance"', sel).replace("$__rate_interval", "1h")
+            answered += bool(query(url, promql))  # (query() asserts status == success)
+        assert answered >= len(exprs) // 2, answered
         assert proc.poll() is None, "simulate --linger ended before the scrape"
     finally:
         target.unlink(missing_ok=True)
