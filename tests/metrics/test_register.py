@@ -3,6 +3,7 @@ time, named as docs/metrics.md says (issue 24)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -287,3 +288,18 @@ def test_no_two_families_share_a_series_name() -> None:
             series = base + suffix
             assert series not in seen, (name, seen.get(series))
             seen[series] = name
+
+
+def test_metrics_doc_lists_every_name_with_its_type_and_labels() -> None:
+    """docs/metrics.md has one table row per exported family: its name, its type and its
+    labels as kvoffload.metrics.METRICS says; and names no kvoffload_ family that is not
+    exported."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(kvoffload_\w+)` \|.*$", text, flags=re.M)}
+    assert set(rows) == set(metrics.METRICS), set(rows) ^ set(metrics.METRICS)
+    for name, (kind, labels, _) in metrics.METRICS.items():
+        cells = [c.strip() for c in rows[name].split("|")[1:-1]]
+        assert cells[1].startswith(kind), (name, cells[1])
+        assert {x.strip() for x in cells[2].split(",") if x.strip()} == set(labels), (name, cells[2])
