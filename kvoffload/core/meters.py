@@ -174,7 +174,8 @@ class Meters:
 
         def load_begin(*args: Any, **kwargs: Any) -> L:
             ld = begin(*args, **kwargs)
-            reading[ld.id] = clock()
+            if getattr(ld, "reading", False):  # (a host pool too full to read into: DONE at once)
+                reading[ld.id] = clock()
             return ld
 
         def load_read(ld: L, n_ok: int, error: BaseException | None = None) -> list[L]:

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
+from _prom import scrape, value
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from support import complete_everything, small_config, toks
 
 import kvoffload as kvo
@@ -26,21 +26,6 @@ from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, HostPool
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(registry: CollectorRegistry) -> Samples:
-    """Every sample of one scrape, parsed back from the text exposition."""
-    out: Samples = {}
-    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 def run_some(mgr: kvo.SyncOffloadManager, backend: SimBackend, n: int = 3) -> None:
