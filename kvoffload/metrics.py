@@ -247,6 +247,7 @@ class KVOffloadCollector(Collector):
         hub, self._hub = self._hub, None
         if hub is not None:
             hub.remove(self)
+            self.core.meters.timed -= 1
 
     # --- the figures -------------------------------------------------------------------
 
@@ -468,7 +469,7 @@ def register(
         else:
             hub.add(collector)
     collector._hub = hub
-    collector.core.meters.timed = True  # (the drivers time their polls from now on)
+    collector.core.meters.timed += 1  # (the drivers time their polls while one is registered)
     return collector
 
 

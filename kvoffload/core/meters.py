@@ -87,9 +87,10 @@ class Meters:
         self.sizes: dict[str, dict[int, int]] = {d: {} for d in DIRECTIONS}
         self.duration = {d: Histogram(DURATION_BUCKETS) for d in DIRECTIONS}
         self.release_delay = Histogram(RELEASE_BUCKETS)
-        # timed: whether the drivers time their polls (kvoffload.metrics.register sets it:
-        # two clock reads a poll are for someone who reads them).
-        self.timed = False
+        # timed: collectors registered on this core (kvoffload.metrics.register counts
+        # them); the drivers time their polls while it is > 0 (two clock reads a poll are
+        # for someone who reads them).
+        self.timed = 0
         # poll: by op ("poll", "collective" under a group, "deliver" for the asyncio driver).
         self.poll: dict[str, Histogram] = {}
         # store_ops[(op, outcome)]: storage operations finished (write, read, lookup).

@@ -548,7 +548,7 @@ class OffloadManager(DriverBase):
         meters = self.core.meters
         try:
             found: int = await storage.exists_prefix(keys)
-        except BaseException:
+        except Exception:
             meters.lookup_failed()
             raise
         meters.looked_up(len(keys), found)

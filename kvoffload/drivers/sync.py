@@ -613,7 +613,7 @@ class SyncOffloadManager(DriverBase):
         def found() -> int:
             try:
                 n = writer.call(storage.exists_prefix(keys))
-            except BaseException:
+            except Exception:
                 meters.lookup_failed()
                 raise
             meters.looked_up(len(keys), n)

@@ -122,6 +122,11 @@ def test_register_sync_manager_figures_match_statistics() -> None:
         assert value(s, "kvoffload_lifecycles", state="pending", **r) == 0
         col.unregister()
         assert scrape(reg) == {}
+        col.unregister()  # (idempotent)
+        assert mgr.core.meters.timed == 0  # polls are timed only while a collector is registered
+        polls = sum(mgr.core.meters.poll["poll"].counts)
+        mgr.poll()
+        assert sum(mgr.core.meters.poll["poll"].counts) == polls
 
 
 def test_histogram_buckets_are_vllms() -> None:
