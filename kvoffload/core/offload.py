@@ -47,6 +47,7 @@ from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, logger, refresh_debug
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
 from kvoffload.core.loads import Loads
+from kvoffload.core.meters import Meters
 from kvoffload.core.registry import Registry
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
@@ -129,8 +130,9 @@ class OffloadCore:
         self.page_bytes = page_bytes
         counters = Counters()
         self.events = events = Events(clock)
+        self.meters = meters = Meters(page_bytes, clock)  # per transfer / poll figures (kvoffload.metrics)
         self.registry = registry = Registry(
-            config, counters, device_pool, events, get_ident(), _DirectHost(self)
+            config, counters, device_pool, events, get_ident(), _DirectHost(self), meters
         )
         self.write_behind = Writes(config, counters, host_pool, events, page_bytes, store_log_interval_s)
         self.wait = wait = HostWait(config, counters, host_pool, registry, events, page_bytes)
@@ -171,7 +173,8 @@ class OffloadCore:
         self.grow_one = step.grow_one
         self.grow = step.grow
         # The load path (kvoffload.core.loads): take_loads() lists each load that reached DONE once.
-        self.load_begin, self.load_read, self.load_cancel = loads.begin, loads.read, loads.cancel
+        self.load_begin, self.load_read = meters.wrap_loads(loads.begin, loads.read)  # (s2h metered)
+        self.load_cancel = loads.cancel
         self.take_loads = loads.take
 
     # --- slots the driver sets ----------------------------------------------
@@ -381,6 +384,7 @@ class OffloadCore:
         drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
         now = self.events.clock() if now is None else now
+        self.meters.copies(batch, self.chunks.inflight, self.loads.copying, now)
         if self.loads.copying:
             self.loads.complete(batch, self.chunks.complete, now)
         else:
@@ -391,7 +395,7 @@ class OffloadCore:
         """The storage write jobs queued since the last call, in completion order (a
         request's chunks in chain order). Their host pages stay held until
         :meth:`write_done`."""
-        return self.write_behind.take()
+        return self.meters.taken(self.write_behind.take())
 
     def write_done(
         self, job_id: int, stored: bool, *, attempts: int = 1, error: BaseException | None = None
@@ -403,9 +407,13 @@ class OffloadCore:
         ``error`` that is a :class:`~kvoffload.PartialWriteError` with one flag per page
         says which pages the store confirmed (F34); any other error confirms none.
         Returns what a deferred chunk's expiry released."""
+        job = self.writes.get(job_id)
         lc, at = self.write_behind.done(job_id, stored, attempts, error)
         if lc is not None and self.chunks.hole(lc, at):
             self.registry.fire(lc, _DROPPED)
+        if job is not None:  # the pages the store confirmed before the hole (F34)
+            n = len(job.host_pages) if at < 0 else (at - job.first_token) // self.config.page_size
+            self.meters.written(job, n, attempts)
         if self.wait.queue:
             self.wait.pump()
         return self.registry.take_released()
