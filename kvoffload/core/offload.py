@@ -45,8 +45,9 @@ from kvoffload.core import ledger
 from kvoffload.core.chunks import Chunks
 from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, logger, refresh_debug
+from kvoffload.core.kv_events import KVEventSource
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
-from kvoffload.core.loads import Loads
+from kvoffload.core.loads import Load, Loads
 from kvoffload.core.registry import Registry
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
@@ -152,6 +153,7 @@ class OffloadCore:
         self.loads = loads = Loads(
             counters, host_pool, device_pool, registry, events, lambda: chunks.accept, page_bytes
         )
+        self.kv = KVEventSource(registry.live, chunks, self.write_behind, clock)  # kv_events()
         registry.detach_row = step.detach
         wait.chunks = chunks
         wait.sync_row = step.sync
@@ -171,7 +173,7 @@ class OffloadCore:
         self.grow_one = step.grow_one
         self.grow = step.grow
         # The load path (kvoffload.core.loads): take_loads() lists each load that reached DONE once.
-        self.load_begin, self.load_read, self.load_cancel = loads.begin, loads.read, loads.cancel
+        self.load_begin, self.load_cancel = loads.begin, loads.cancel
         self.take_loads = loads.take
 
     # --- slots the driver sets ----------------------------------------------
@@ -188,7 +190,7 @@ class OffloadCore:
 
     @accept.setter
     def accept(self, accept: Callable[[Transfer], None]) -> None:
-        self.chunks.accept = accept
+        self.chunks.accept = self.kv.wrap(accept)  # (itself unless KV events are on)
 
     @property
     def owner(self) -> int:
@@ -393,6 +395,13 @@ class OffloadCore:
         :meth:`write_done`."""
         return self.write_behind.take()
 
+    def load_read(self, ld: Load, n_ok: int, error: BaseException | None = None) -> list[Load]:
+        """``Loads.read``; with KV events on, a short read (no error) announces the page missing."""
+        done = self.loads.read(ld, n_ok, error)
+        if self.kv.on:
+            self.kv.read(ld, n_ok, error)
+        return done
+
     def write_done(
         self, job_id: int, stored: bool, *, attempts: int = 1, error: BaseException | None = None
     ) -> list[Lifecycle]:
@@ -406,6 +415,8 @@ class OffloadCore:
             if lc is not None and self.chunks.hole(lc, job.first_token):
                 self.registry.fire(lc, _DROPPED)
         self.write_behind.count(job, stored, attempts, error)
+        if self.kv.on:  # the one place a write's result becomes a KV event
+            self.kv.written(job, stored, error)
         if self.wait.queue:
             self.wait.pump()
         return self.registry.take_released()
