@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,7 @@ from kvoffload.storage.writer import ThreadWriter, WritePolicy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -131,6 +133,7 @@ __all__ = [
     "KVOffloadConnectorMetadata",
     "KVOffloadWorkerMetadata",
     "check_kv_cache_config",
+    "kv_events_enabled",
 ]
 
 
@@ -151,6 +154,13 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         """Both ranks' reports as one (each job's rank count added up)."""
         assert isinstance(other, KVOffloadWorkerMetadata)
         return KVOffloadWorkerMetadata(self.report.merge(other.report))
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``):
+    only then does the connector record its own."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
 def check_kv_cache_config(kv_cache_config: Any) -> Any:
@@ -228,7 +238,9 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 stride=self.settings.stride,
                 namespace=self.settings.namespace,
                 max_blocks=None if max_len is None else math.ceil(max_len / self.block_size) + 1,
+                kv_events=kv_events_enabled(vllm_config),
             )
+            self.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -291,6 +303,23 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         return self._plan().finished(request, aborted), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pages the store confirmed and the pages a load found gone since the last
+        call, as vLLM's ``BlockStored`` / ``BlockRemoved`` under vLLM's block hashes
+        (:mod:`~kvoffload.integrations.vllm_events`); vLLM's scheduler publishes them with
+        its own (``kv_events_config``). Empty unless KV cache events are enabled."""
+        planner = self.planner
+        if planner is None or planner.kv_events is None or not len(planner.kv_events):
+            return ()
+        from kvoffload.integrations.vllm_events import vllm_events
+
+        return vllm_events(
+            planner.kv_events,
+            block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            request_of=planner.request,
+        )
 
     def has_pending_push_work(self) -> bool:
         """Copies, writes or loads in flight, or held requests: vLLM keeps stepping

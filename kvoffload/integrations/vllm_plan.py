@@ -46,6 +46,7 @@ from typing import Any
 from kvoffload.abc import Transfer, TransferId
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.kv_events import KVEvents
 from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
@@ -107,7 +108,8 @@ class Planner:
     must report a job before it counts done. ``stride``: tokens per copy while decoding
     (a multiple of ``block_size``; default one block); the host pages are shared by
     stores and loads. ``max_blocks``: most blocks one request can have (vLLM's
-    ``max_model_len`` in blocks).
+    ``max_model_len`` in blocks). ``kv_events``: subscribe the core's KV events
+    (:attr:`kv_events`; the connector hands them to vLLM's publisher).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class Planner:
         namespace: str | None = None,
         max_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_events: bool = False,
     ) -> None:
         import torch
 
@@ -153,6 +156,11 @@ class Planner:
             storage=True,
         )
         self.core.refresh_observed()
+        # kv_events: the core's KV events (stored / removed pages; each stored one's tag is
+        # its vLLM Request), drained by the connector's take_events; None when not asked.
+        self.kv_events: KVEvents | None = (
+            self.core.kv.subscribe(max(4096, 2 * host_pages)) if kv_events else None
+        )
         # _free_ids: stand-in ids no live lifecycle holds; _block_of[v]: the vLLM block of id v.
         # Invariant: not (set(self._free_ids) & set(self._block_of))
         self._free_ids: list[int] = list(range(self._n_own - 1, -1, -1))
@@ -374,7 +382,12 @@ class Planner:
             ids = list(range(self._prefix_base, self._prefix_base + shared)) + self._ids(blocks[shared:])
             try:
                 rec.lc = self.core.admit(
-                    request.request_id, list(tokens[:upto]), pages=ids, chain_seed=rec.seed, stored=stored
+                    request.request_id,
+                    list(tokens[:upto]),
+                    pages=ids,
+                    tag=request,  # (a KV event's way back to vLLM's block hashes)
+                    chain_seed=rec.seed,
+                    stored=stored,
                 )
             except BaseException:
                 self._forget(ids[shared:])
@@ -477,6 +490,11 @@ class Planner:
         """Whether work is left that needs more engine steps (copies, writes, loads,
         held requests, or a plan not sent yet): vLLM's ``has_pending_push_work``."""
         return bool(self.core.busy or self._loads or self._held or self._plan or self._copy_of)
+
+    def request(self, request_id: str) -> Any:
+        """The live vLLM request of that id, or ``None``."""
+        rec = self._requests.get(request_id)
+        return None if rec is None else rec.request
 
     def lifecycle(self, request_id: str) -> Lifecycle | None:
         """The live request's current lifecycle (for tests and statistics)."""
