@@ -301,6 +301,19 @@ class KVEventSource:
             )
             i = j
 
+    def wrap_read(self, read: Callable[..., list[Load]]) -> Callable[..., list[Load]]:
+        """The core's ``load_read``: ``read`` (the load room's), then, while subscribed,
+        :meth:`read` of its result (a read that raised changed nothing: no event)."""
+
+        def load_read(ld: Load, n_ok: int, error: BaseException | None = None) -> list[Load]:
+            done = read(ld, n_ok, error)
+            if self.on:
+                self.read(ld, n_ok, error)
+            return done
+
+        load_read.__doc__ = read.__doc__
+        return load_read
+
     def read(self, ld: Load, n_ok: int, error: BaseException | None) -> None:
         """Load ``ld``'s read returned ``n_ok`` good pages: short without an error, the
         page after them is gone from the store (see the module doc)."""

@@ -47,7 +47,8 @@ from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, logger, refresh_debug
 from kvoffload.core.kv_events import KVEventSource
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
-from kvoffload.core.loads import Load, Loads
+from kvoffload.core.loads import Loads
+from kvoffload.core.meters import Meters
 from kvoffload.core.registry import Registry
 from kvoffload.core.rows import DecodeRows
 from kvoffload.core.stats import Counters, Statistics
@@ -130,8 +131,9 @@ class OffloadCore:
         self.page_bytes = page_bytes
         counters = Counters()
         self.events = events = Events(clock)
+        self.meters = meters = Meters(page_bytes, clock)  # per transfer / poll figures (kvoffload.metrics)
         self.registry = registry = Registry(
-            config, counters, device_pool, events, get_ident(), _DirectHost(self)
+            config, counters, device_pool, events, get_ident(), _DirectHost(self), meters
         )
         self.write_behind = Writes(config, counters, host_pool, events, page_bytes, store_log_interval_s)
         self.wait = wait = HostWait(config, counters, host_pool, registry, events, page_bytes)
@@ -173,7 +175,9 @@ class OffloadCore:
         self.grow_one = step.grow_one
         self.grow = step.grow
         # The load path (kvoffload.core.loads): take_loads() lists each load that reached DONE once.
-        self.load_begin, self.load_cancel = loads.begin, loads.cancel
+        self.load_begin, read = meters.wrap_loads(loads.begin, loads.read)  # (s2h metered)
+        self.load_read = self.kv.wrap_read(read)  # (a short read is a KV event while subscribed)
+        self.load_cancel = loads.cancel
         self.take_loads = loads.take
 
     # --- slots the driver sets ----------------------------------------------
@@ -383,6 +387,7 @@ class OffloadCore:
         drivers do). :class:`~kvoffload.PageError` on a host double free.
         """
         now = self.events.clock() if now is None else now
+        self.meters.copies(batch, self.chunks.inflight, self.loads.copying, now)
         if self.loads.copying:
             self.loads.complete(batch, self.chunks.complete, now)
         else:
@@ -393,14 +398,7 @@ class OffloadCore:
         """The storage write jobs queued since the last call, in completion order (a
         request's chunks in chain order). Their host pages stay held until
         :meth:`write_done`."""
-        return self.write_behind.take()
-
-    def load_read(self, ld: Load, n_ok: int, error: BaseException | None = None) -> list[Load]:
-        """``Loads.read``; with KV events on, a short read (no error) announces the page missing."""
-        done = self.loads.read(ld, n_ok, error)
-        if self.kv.on:
-            self.kv.read(ld, n_ok, error)
-        return done
+        return self.meters.taken(self.write_behind.take())
 
     def write_done(
         self, job_id: int, stored: bool, *, attempts: int = 1, error: BaseException | None = None
@@ -415,6 +413,7 @@ class OffloadCore:
             if lc is not None and self.chunks.hole(lc, job.first_token):
                 self.registry.fire(lc, _DROPPED)
         self.write_behind.count(job, stored, attempts, error)
+        self.meters.written(job, stored, attempts)
         if self.kv.on:  # the one place a write's result becomes a KV event
             self.kv.written(job, stored, error)
         if self.wait.queue:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvoffload.core.events import Events
 from kvoffload.core.lifecycle import EXTEND_SELF_LOOP, STATES, Lifecycle, LifecycleHost, LifecycleId
+from kvoffload.core.meters import Meters
 from kvoffload.core.stats import Counters
 from kvoffload.errors import InvalidTransition, ManagerClosed
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["QUIET_MOVES", "Registry"]
 
 _RELEASED = LifecycleState.RELEASED.value
+_FINISHING = LifecycleState.FINISHING.value
 #: For each state: whether a table step into it from another state changes only the
 #: counts (live, and extend stays a self-loop there: no row to give back) - when
 #: nobody observes, :meth:`Registry.move` is that whole step.
@@ -46,6 +48,7 @@ class Registry:
         events: Events,
         owner: int,
         host: LifecycleHost,
+        meters: Meters | None = None,
     ) -> None:
         self.config = config
         self.counters = counters
@@ -67,6 +70,10 @@ class Registry:
         # released: lifecycles released by the current call, returned by it (take_released).
         self.released: list[Lifecycle] = []
         self.detach_row: Callable[[Lifecycle], None] = _no_rows
+        # moves[s][d]: table steps from state s to another state d, ever (kvoffload.metrics).
+        self.moves = [[0] * len(STATES) for _ in STATES]
+        # meters: the release delay (finish -> RELEASED) is observed at each release.
+        self.meters = meters if meters is not None else Meters(0, events.clock)
 
     # --- admission ---------------------------------------------------------------------
 
@@ -129,13 +136,16 @@ class Registry:
         if dest != s:
             counts = self.state_counts
             counts[s] -= 1
+            self.moves[s][dest] += 1
+            since = lc.state_since
             lc._s = dest
-            lc.state_since = self.events.clock() if now is None else now
+            lc.state_since = t = self.events.clock() if now is None else now
             if not EXTEND_SELF_LOOP[dest]:
                 if lc._row >= 0:  # extend is no longer its plain step
                     self.detach_row(lc)
                 lc._quiet = -1
-            if dest == _RELEASED:
+            if dest == _RELEASED:  # (finish or abort -> released: FINISHING's wait, else none)
+                self.meters.release_delay.observe(t - since if s == _FINISHING else 0.0)
                 if self.events.observed:
                     self.emit_transition(lc, s, dest, e)
                 self.release(lc)
@@ -152,6 +162,7 @@ class Registry:
         counts = self.state_counts
         counts[lc._s] -= 1
         counts[dest] += 1
+        self.moves[lc._s][dest] += 1
         lc._s = dest
         lc.state_since = now
 
@@ -172,6 +183,7 @@ class Registry:
             if dest >= 0 and QUIET_MOVES[dest]:
                 counts[s] -= 1
                 counts[dest] += 1
+                self.moves[s][dest] += 1
                 lc._s = dest
                 lc.state_since = now
             else:

@@ -293,6 +293,7 @@ class OffloadManager(DriverBase):
         """Apply ``batch`` to the core (a loop callback); a failure is logged, never
         raised into the loop (F20)."""
         outer = self._delivering()  # a listener's lc.abort() waits for the batch
+        start = time.perf_counter()
         try:
             released = self._complete(batch)
         except Exception as exc:  # pragma: no cover - a kvoffload bug; the ledger check will say
@@ -302,6 +303,7 @@ class OffloadManager(DriverBase):
             more, errors = self._apply_calls() if outer else ([], [])
         self._delivered += len(batch)
         self._after_step(released + more, errors)
+        self.core.meters.polled("deliver", time.perf_counter() - start)
         self.core.take_loads()  # (each DONE load woke its waiter: nothing more to hand over)
 
     def _after_step(self, released: list[Lifecycle], errors: list[BaseException] | None = None) -> None:
@@ -542,7 +544,14 @@ class OffloadManager(DriverBase):
         keys = self._read_keys(tokens, None, chain_seed)
         if not keys:
             return 0
-        return await storage.exists_prefix(keys) * self.config.page_size
+        meters = self.core.meters
+        try:
+            found: int = await storage.exists_prefix(keys)
+        except BaseException:
+            meters.lookup_failed()
+            raise
+        meters.looked_up(len(keys), found)
+        return found * self.config.page_size
 
     async def fetch(self, tokens: Sequence[int], n: int, chain_seed: str | None = None) -> list[bytes]:
         """The stored bytes of the pages of ``tokens[:n]`` (``n`` a multiple of page_size),

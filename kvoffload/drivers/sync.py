@@ -290,7 +290,10 @@ class SyncOffloadManager(DriverBase):
             self._check_open("poll()")
         if max_completions is not None and (type(max_completions) is not int or max_completions < 0):
             raise ConfigError(f"max_completions must be None or an int >= 0, got {max_completions!r}")
-        return self._step(max_completions, POLL, False)[0]
+        start = time.perf_counter()
+        n = self._step(max_completions, POLL, False)[0]
+        self.core.meters.polled("poll" if self._tp is None else "collective", time.perf_counter() - start)
+        return n
 
     def _step(self, max_completions: int | None, kind: int, late: bool) -> tuple[int, bool]:
         """The body of :meth:`poll` and of every wait; returns (completions delivered,
@@ -602,11 +605,19 @@ class SyncOffloadManager(DriverBase):
             return 0
         writer = self._writer
         assert writer is not None
-        if self._tp is None:
-            return writer.call(storage.exists_prefix(keys)) * self.config.page_size
+        meters = self.core.meters
 
         def found() -> int:
-            return writer.call(storage.exists_prefix(keys))
+            try:
+                n = writer.call(storage.exists_prefix(keys))
+            except BaseException:
+                meters.lookup_failed()
+                raise
+            meters.looked_up(len(keys), n)
+            return n
+
+        if self._tp is None:
+            return found() * self.config.page_size
 
         return self._tp.agree_count(LOOKUP, self.core, found) * self.config.page_size
 
