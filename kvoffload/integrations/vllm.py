@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -118,6 +119,7 @@ from kvoffload.storage.writer import ThreadWriter, WritePolicy
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -212,9 +214,8 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # host pages: the same number on the scheduler and on every worker
-        self.host_pages = self.settings.host_pages_for(
-            self.num_blocks, int(spec.page_size_bytes) * len(self.layer_names)
-        )
+        block_bytes = int(spec.page_size_bytes) * len(self.layer_names)  # one rank's
+        self.host_pages = self.settings.host_pages_for(self.num_blocks, block_bytes)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
@@ -224,6 +225,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 ktc.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
                 logger.info("vllm.load_failure_policy", policy="recompute")
             store = open_store(self.settings.storage)
+            self._store_name = str(getattr(store, "name", type(store).__name__.lower()))
             self._stores = rank_stores(store, self.tp_size)
             meta = HostPool.new(1, (1,), "uint8", buffer=torch.empty(0, device="meta"))
             self._io = ThreadWriter(store, meta, WritePolicy())
@@ -239,8 +241,12 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 namespace=self.settings.namespace,
                 max_blocks=None if max_len is None else math.ceil(max_len / self.block_size) + 1,
                 kv_events=kv_events_enabled(vllm_config),
+                page_bytes=block_bytes * self.tp_size,
             )
             self.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
+            from kvoffload.integrations.vllm_metrics import StatsClock
+
+            self._stats = StatsClock(time.monotonic)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -320,6 +326,36 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             hash_block_size=self.hash_block_size,
             request_of=planner.request,
         )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: a cumulative snapshot of the planner's core for vLLM's stats
+        (:mod:`~kvoffload.integrations.vllm_metrics`), at most once a second and once when
+        the work is done; ``None`` otherwise and on the workers (they keep no figures)."""
+        planner = self.planner
+        if planner is None:
+            return None
+        return self._stats.take(planner.core, planner.busy, self._store_name)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """The stats vLLM's loggers rebuild from the data the scheduler side sent."""
+        from kvoffload.integrations.vllm_metrics import KVOffloadConnectorStats
+
+        return KVOffloadConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The ``kvoffload_*`` metrics on vLLM's Prometheus setup (its API server's
+        ``/metrics``), with vLLM's labels (``model_name``, ``engine``)."""
+        from kvoffload.integrations.vllm_metrics import KVOffloadPromMetrics
+
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         """Copies, writes or loads in flight, or held requests: vLLM keeps stepping

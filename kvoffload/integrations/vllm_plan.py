@@ -109,7 +109,8 @@ class Planner:
     (a multiple of ``block_size``; default one block); the host pages are shared by
     stores and loads. ``max_blocks``: most blocks one request can have (vLLM's
     ``max_model_len`` in blocks). ``kv_events``: subscribe the core's KV events
-    (:attr:`kv_events`; the connector hands them to vLLM's publisher).
+    (:attr:`kv_events`; the connector hands them to vLLM's publisher). ``page_bytes``:
+    the bytes of one block on all ranks (the core's byte figures; 0: unknown).
     """
 
     def __init__(
@@ -125,6 +126,7 @@ class Planner:
         max_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_events: bool = False,
+        page_bytes: int = 0,
     ) -> None:
         import torch
 
@@ -154,6 +156,7 @@ class Planner:
             host_pool=host,
             accept=self._accept,
             storage=True,
+            page_bytes=page_bytes,
         )
         self.core.refresh_observed()
         # kv_events: the core's KV events (stored / removed pages; each stored one's tag is
@@ -263,7 +266,9 @@ class Planner:
             hit = int(self.lookup(keys))
         except Exception as exc:  # a store that fails or times out: a miss, never an error
             logger.warning("vllm.lookup_failed", rid=request.request_id, error=repr(exc))
+            self.core.meters.lookup_failed()
             return 0
+        self.core.meters.looked_up(len(keys), min(max(hit, 0), len(keys)))
         return max(0, min(hit, n_pages) - first) * bs
 
     def start_load(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:

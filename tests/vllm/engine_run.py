@@ -23,6 +23,9 @@ Spec keys:
   (the subscriber saw one: nothing later is lost to ZMQ's slow joiner); after them, one
   stamped ``ts=-1.0`` (after every event of the run, on the same socket) until ``done``
   exists. In-process only.
+- ``metrics``: ``true``: the result's ``metrics`` holds the ``kvoffload_*`` lines of
+  this process's Prometheus exposition after the phases (what vLLM's stat loggers
+  exported: the connector's figures through ``build_prom_metrics``).
 - ``inproc``: run vLLM's EngineCore in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
   default ``true``): the scheduler can then be read between steps (step phases).
 - ``phases``: a list; each has ``name``, ``requests`` and ``mode``:
@@ -243,6 +246,11 @@ def main(spec_path: str, result_path: str) -> None:
             full[r["name"]] = [*p, *rec["output"]]
     if kv_events:
         _kv_events_handshake(sched, -1.0, kv_events["done"])
+    if spec.get("metrics"):
+        from prometheus_client import REGISTRY, generate_latest
+
+        text = generate_latest(REGISTRY).decode()
+        result["metrics"] = [line for line in text.splitlines() if line.startswith("kvoffload_")]
     if sched is not None:
         result["scheduler_stats"] = {
             "requests_left": len(sched.requests),

@@ -1,4 +1,4 @@
-"""kvoffload's KV events through a real vLLM engine's own publisher (issue 24 point 3).
+"""kvoffload's KV events (issue 24 point 3) and series (point 2) through a real vLLM engine.
 
 One in-process engine with ``kv_events_config`` (ZMQ publisher) and kvoffload's
 connector on the file store, prefix caching on, so vLLM announces its GPU blocks too. The
@@ -6,7 +6,9 @@ test binds a ZMQ SUB socket on 127.0.0.1 (vLLM's publisher connects to it) and d
 what arrives with vLLM's ``KVEventBatch``. What must hold: vLLM's publisher emits
 kvoffload's ``BlockStored`` events (``medium="STORAGE"``) for exactly the blocks vLLM
 announced on the GPU, under the same block hashes, with the same parents and tokens:
-a router sees one block in two tiers. The runner's handshake (engine_run.py
+a router sees one block in two tiers. And vLLM's own stat loggers export the connector's
+``kvoffload_*`` series (``build_prom_metrics``): the same four blocks stored, under
+vLLM's ``model_name`` / ``engine`` labels. The runner's handshake (engine_run.py
 ``kv_events``) makes sure nothing is lost to ZMQ's slow joiner or to the engine's exit.
 """
 
@@ -86,6 +88,7 @@ def test_vllms_publisher_emits_kvoffloads_stored_blocks_under_vllms_hashes(
             kv,
             engine_args={"enable_prefix_caching": True},
             kv_events={"endpoint": sub.endpoint, "joined": str(sub.joined), "done": str(sub.done)},
+            metrics=True,
         )
         result = ve.run_engine(spec, tmp_path, "events")
         sub.thread.join(ve.ENGINE_TIMEOUT_S)
@@ -118,3 +121,9 @@ def test_vllms_publisher_emits_kvoffloads_stored_blocks_under_vllms_hashes(
     assert [*PROMPT, *result["requests"]["e0"]["output"]][: whole * ve.BLOCK] == [
         t for e in ours for t in e.token_ids
     ]
+
+    # The same run's kvoffload_* series, exported by vLLM's own stat loggers (point 2):
+    # the four blocks stored, under vLLM's labels.
+    lines = [m for m in result["metrics"] if m.startswith('kvoffload_pages_total{direction="h2s"')]
+    assert len(lines) == 1 and 'engine="0"' in lines[0] and "model_name=" in lines[0], result["metrics"][:40]
+    assert float(lines[0].rsplit(" ", 1)[1]) == whole
