@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
@@ -41,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised by a subprocess test
     ) from exc
 
 from kvoffload.core.lifecycle import STATES
-from kvoffload.core.meters import DIRECTIONS, Histogram
+from kvoffload.core.meters import DIRECTIONS, SIZE_BUCKETS, Histogram
 from kvoffload.core.offload import OffloadCore
 from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.lifecycle.table import TABLE
@@ -190,6 +191,22 @@ def _buckets(h: Histogram) -> tuple[list[tuple[str, float]], float]:
     return out, total
 
 
+def _size_buckets(by_pages: dict[int, int], page_bytes: int) -> tuple[list[tuple[str, float]], float]:
+    """The size histogram (vLLM's buckets, bytes) of transfers counted by pages moved."""
+    counts = [0] * (len(SIZE_BUCKETS) + 1)
+    total = 0.0
+    for n, k in by_pages.items():
+        size = n * page_bytes
+        counts[bisect_left(SIZE_BUCKETS, size)] += k
+        total += size * k
+    out: list[tuple[str, float]] = []
+    acc = 0
+    for bound, k in zip((*SIZE_BUCKETS, float("inf")), counts, strict=True):
+        acc += k
+        out.append((floatToGoString(bound), acc))
+    return out, total
+
+
 class KVOffloadCollector(Collector):
     """The series of one manager (or bare core), read at scrape time.
 
@@ -251,7 +268,7 @@ class KVOffloadCollector(Collector):
             buckets, total = _buckets(m.duration[d])
             add("kvoffload_transfer_seconds_total", (d,), total)
             fam["kvoffload_transfer_duration_seconds"].add_metric([d, *const], buckets, total)
-            sizes, size_sum = _buckets(m.size[d])
+            sizes, size_sum = _size_buckets(dict(m.sizes[d]), pb)
             fam["kvoffload_transfer_size_bytes"].add_metric([d, *const], sizes, size_sum)
         dropped = {
             "host_full": c.pages_dropped - c.pages_refused,
@@ -451,6 +468,7 @@ def register(
         else:
             hub.add(collector)
     collector._hub = hub
+    collector.core.meters.timed = True  # (the drivers time their polls from now on)
     return collector
 
 

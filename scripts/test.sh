@@ -16,6 +16,9 @@ if ! command -v dot >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
 fi
 echo "== redis"; eval "$(bash scripts/redis.sh start)"; trap 'bash scripts/redis.sh stop' EXIT
 export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
+echo "== prometheus"; eval "$(bash scripts/prometheus.sh start)"  # loopback; scrapes tests/metrics' runs
+trap 'bash scripts/prometheus.sh stop; bash scripts/redis.sh stop' EXIT
+export KVOFFLOAD_REQUIRE_PROMETHEUS=1  # the Prometheus scrape test must run here, not skip
 echo "== pytest"; python -m pytest -q "$@"
 # SGLang's real classes (a second environment, CPU only: scripts/setup_sglang.sh). The
 # integration tests run again there, where the real-class tests must run, not skip.

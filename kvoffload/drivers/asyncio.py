@@ -303,7 +303,8 @@ class OffloadManager(DriverBase):
             more, errors = self._apply_calls() if outer else ([], [])
         self._delivered += len(batch)
         self._after_step(released + more, errors)
-        self.core.meters.polled("deliver", time.perf_counter() - start)
+        if self.core.meters.timed:  # (set by kvoffload.metrics.register)
+            self.core.meters.polled("deliver", time.perf_counter() - start)
         self.core.take_loads()  # (each DONE load woke its waiter: nothing more to hand over)
 
     def _after_step(self, released: list[Lifecycle], errors: list[BaseException] | None = None) -> None:

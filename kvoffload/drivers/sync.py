@@ -290,9 +290,12 @@ class SyncOffloadManager(DriverBase):
             self._check_open("poll()")
         if max_completions is not None and (type(max_completions) is not int or max_completions < 0):
             raise ConfigError(f"max_completions must be None or an int >= 0, got {max_completions!r}")
+        meters = self.core.meters
+        if not meters.timed:  # (kvoffload.metrics.register times polls: nothing else reads it)
+            return self._step(max_completions, POLL, False)[0]
         start = time.perf_counter()
         n = self._step(max_completions, POLL, False)[0]
-        self.core.meters.polled("poll" if self._tp is None else "collective", time.perf_counter() - start)
+        meters.polled("poll" if self._tp is None else "collective", time.perf_counter() - start)
         return n
 
     def _step(self, max_completions: int | None, kind: int, late: bool) -> tuple[int, bool]:

@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -81,6 +82,9 @@ MAX_TOKENS = 1_000_000
 MAX_STEP_MS = 10_000.0
 #: --copy-delay-ms: the sim copy engine's mean delay.
 MAX_COPY_DELAY_MS = 60_000.0
+#: --linger: seconds the metrics endpoint stays up after a run.
+MAX_LINGER_S = 86_400.0
+_linger_s = _checked(float, lambda v: 0.0 <= v <= MAX_LINGER_S, "seconds >= 0 and at most 86,400")
 #: The most ranks --tp may start, whatever the machine.
 _MAX_TP_CAP = 64
 
@@ -159,6 +163,19 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
     o.add_argument("--trace", type=Path, metavar="PATH", help="write a Chrome-trace/Perfetto timeline")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--metrics-port",
+        type=_checked(int, lambda v: 0 <= v <= 65535, "a TCP port in 0..65535 (0: any free one)"),
+        metavar="PORT",
+        help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics during the run (kvoffload[metrics])",
+    )
+    o.add_argument(
+        "--linger",
+        type=_linger_s,
+        default=0.0,
+        metavar="S",
+        help="with --metrics-port: keep serving S seconds after the run ends (a stop signal ends it early)",
+    )
     o.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
@@ -261,6 +278,10 @@ def _simulate(args: argparse.Namespace) -> int:
             return _fail(EXIT_USAGE, f"{opt}: directory {path.parent} does not exist")
     if args.tp > 1 and args.trace is not None:
         return _fail(EXIT_USAGE, "--trace records one manager's timeline: it is not available with --tp")
+    if args.tp > 1 and args.metrics_port is not None:
+        return _fail(EXIT_USAGE, "--metrics-port serves one manager's figures: it is not available with --tp")
+    if args.linger and args.metrics_port is None:
+        return _fail(EXIT_USAGE, "--linger keeps the metrics endpoint up: it needs --metrics-port")
     try:
         spec = WorkloadSpec(
             requests=args.requests,
@@ -299,19 +320,63 @@ def _simulate(args: argparse.Namespace) -> int:
             return _simulate_tp(args, spec, config, backend, storage, store_desc)
         from kvoffload.tools.simulate import simulate
 
+        registry = None
+        if args.metrics_port is not None:
+            try:
+                registry = _serve_metrics(args.metrics_port, stack)
+            except MissingDependency as exc:
+                return _fail(EXIT_MISSING, str(exc))
+            except OSError as exc:
+                return _fail(EXIT_USAGE, f"--metrics-port {args.metrics_port}: {exc}")
         report = _run_until_stopped(
             lambda: simulate(
-                spec, config, backend, storage, store_desc, progress=not args.no_progress, trace=args.trace
+                spec,
+                config,
+                backend,
+                storage,
+                store_desc,
+                progress=not args.no_progress,
+                trace=args.trace,
+                metrics_registry=registry,
             )
         )
-    from kvoffload.tools.simulate import print_summary
+        from kvoffload.tools.simulate import print_summary
 
-    print_summary(report)
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
-    if args.trace is not None:
-        print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
-    return EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
+        print_summary(report)
+        if args.json is not None:
+            args.json.write_text(json.dumps(report, indent=2, default=str))
+        if args.trace is not None:
+            print(f"timeline written to {args.trace} (open it in https://ui.perfetto.dev)")
+        code = EXIT_OK if report["ledger"]["ok"] else EXIT_INVARIANT
+        if registry is not None and args.linger > 0:
+            _linger(args.linger)
+    return code
+
+
+def _serve_metrics(port: int, stack: ExitStack) -> Any:
+    """A registry of its own, served at http://127.0.0.1:port/metrics until ``stack``
+    closes (the URL goes to stderr: with port 0 it names the port chosen)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvoffload.metrics import serve
+
+    registry = CollectorRegistry()
+    server = serve(port, registry)
+    stack.callback(server.close)
+    print(f"kvoffload: metrics at {server.url}", file=sys.stderr, flush=True)
+    return registry
+
+
+def _linger(seconds: float) -> None:
+    """Keep the metrics endpoint up ``seconds`` after the run (a stop signal ends it:
+    the run's exit code stands)."""
+    print(f"kvoffload: run over; serving its metrics {seconds:g} s more", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + seconds
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))  # (waiting is the point: the server thread answers scrapes)
+    except (Stopped, KeyboardInterrupt):
+        pass
 
 
 def _simulate_tp(

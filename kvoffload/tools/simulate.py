@@ -114,12 +114,15 @@ async def simulate(
     *,
     progress: bool = False,
     trace: Any = None,
+    metrics_registry: Any = None,
 ) -> dict[str, Any]:
     """Run ``spec`` on a fresh manager; return the summary dict (see the module doc).
 
     ``trace`` is a :class:`~kvoffload.tools.trace.TraceRecorder` to attach, or a path to
-    write one to. Never raises for a broken invariant: ``report["ledger"]["ok"]`` is
-    False and ``report["ledger"]["error"]`` says why.
+    write one to. ``metrics_registry``: a prometheus_client registry the manager's
+    series are registered on (:func:`kvoffload.metrics.register`; they stay there,
+    frozen at the run's end, once it is over). Never raises for a broken invariant:
+    ``report["ledger"]["ok"]`` is False and ``report["ledger"]["error"]`` says why.
     """
     from kvoffload.backends import resolve_backend
     from kvoffload.drivers.asyncio import OffloadManager
@@ -139,6 +142,10 @@ async def simulate(
     bar = _progress(len(requests)) if progress else None
     mgr = OffloadManager(config, backend=faulty, storage=storage)
     mgr.add_listener(monitor)
+    if metrics_registry is not None:
+        from kvoffload.metrics import register
+
+        register(mgr, metrics_registry)
     if recorder is not None:
         mgr.add_listener(recorder)
     try:

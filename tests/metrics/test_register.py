@@ -3,6 +3,7 @@ time, named as docs/metrics.md says (issue 24)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,9 +14,9 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 
+from _prom import scrape, value
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 from support import complete_everything, small_config, toks
 
 import kvoffload as kvo
@@ -25,21 +26,6 @@ from kvoffload.core.offload import OffloadCore
 from kvoffload.pools import DevicePool, HostPool
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape(registry: CollectorRegistry) -> Samples:
-    """Every sample of one scrape, parsed back from the text exposition."""
-    out: Samples = {}
-    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
 
 
 def run_some(mgr: kvo.SyncOffloadManager, backend: SimBackend, n: int = 3) -> None:
@@ -287,3 +273,18 @@ def test_no_two_families_share_a_series_name() -> None:
             series = base + suffix
             assert series not in seen, (name, seen.get(series))
             seen[series] = name
+
+
+def test_metrics_doc_lists_every_name_with_its_type_and_labels() -> None:
+    """docs/metrics.md has one table row per exported family: its name, its type and its
+    labels as kvoffload.metrics.METRICS says; and names no kvoffload_ family that is not
+    exported."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(kvoffload_\w+)` \|.*$", text, flags=re.M)}
+    assert set(rows) == set(metrics.METRICS), set(rows) ^ set(metrics.METRICS)
+    for name, (kind, labels, _) in metrics.METRICS.items():
+        cells = [c.strip() for c in rows[name].split("|")[1:-1]]
+        assert cells[1].startswith(kind), (name, cells[1])
+        assert {x.strip() for x in cells[2].split(",") if x.strip()} == set(labels), (name, cells[2])
