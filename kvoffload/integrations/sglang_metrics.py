@@ -77,6 +77,7 @@ class MetricsExport:
                 if mirror is None:
                     mirror = _MIRRORS[names] = Mirror(Counter, Gauge, Histogram, names)
             self.mirror = mirror
+            manager.core.meters.timed = True  # (the manager times its polls, as register() has it)
             self.push()
 
     def push(self) -> None:
