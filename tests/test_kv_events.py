@@ -99,24 +99,26 @@ def test_a_seeded_chain_and_a_stored_prefix_name_the_right_parent() -> None:
     assert b.block_hashes == plain[1:] and b.parent_block_hash == plain[0] and b.first_token == 4
 
 
-def test_a_failed_write_is_never_announced_and_a_partial_one_only_where_confirmed_f34() -> None:
-    """F34: a write that failed announces nothing; a PartialWriteError announces exactly
-    the pages it flags stored, as runs of consecutive pages, each with its parent."""
+def test_a_failed_write_is_never_announced_and_a_partial_one_only_up_to_its_first_gap_f34() -> None:
+    """F34: a write that failed announces nothing; a PartialWriteError announces the
+    pages it flags stored before the first one it does not (what a lookup can reach: the
+    chain breaks there, F33), never the confirmed pages after the gap."""
     core, jobs = make_core()
     events = core.kv.subscribe()
     core.admit("bad", toks(0, 8), stored=0)
     core.admit("part", toks(100, 120), stored=0)  # five pages in one chunk
-    bad, part = copy_all(core, jobs)
+    core.admit("gap0", toks(200, 208), stored=0)  # its first page unconfirmed
+    bad, part, gap0 = copy_all(core, jobs)
     core.write_done(bad, False, error=kvo.StorageError("down"))
     assert list(events) == []
-    flags = [True, False, True, True, False]
-    core.write_done(part, False, error=kvo.PartialWriteError("2 of 5 failed", flags))
+    flags = [True, True, False, True, False]
+    core.write_done(part, False, error=kvo.PartialWriteError("3 of 5 failed", flags))
+    core.write_done(gap0, False, error=kvo.PartialWriteError("1 of 2 failed", [False, True]))
     keys = chain_keys(None, toks(100, 120), PS)
-    runs = events.drain()
-    assert [e.block_hashes for e in runs] == [keys[0:1], keys[2:4]]
-    assert [e.parent_block_hash for e in runs if isinstance(e, kvo.BlockStored)] == [None, keys[1]]
-    assert [e.token_ids for e in runs if isinstance(e, kvo.BlockStored)] == [toks(100, 104), toks(108, 116)]
-    assert [e.first_token for e in runs if isinstance(e, kvo.BlockStored)] == [0, 8]
+    (run,) = events.drain()
+    assert isinstance(run, kvo.BlockStored) and run.rid == "part"
+    assert run.block_hashes == keys[:2] and run.parent_block_hash is None
+    assert run.token_ids == toks(100, 108) and run.first_token == 0
     core.check_invariants()
 
 

@@ -12,8 +12,9 @@ What counts (one place each, in :class:`KVEventSource`):
 
 - *stored*: the store confirmed the page - ``OffloadCore.write_done`` of a write job
   reported stored; a :class:`~kvoffload.PartialWriteError` as the write's error says
-  which pages of the batch it stored (F34): only those are announced, as runs of
-  consecutive pages (each run names its own parent);
+  which pages of the batch it stored (F34): the ones before the first page it did not
+  confirm are announced (the chain breaks there, F33: no lookup reaches a page after
+  it, so a router is never told of one);
 - *removed*: a load's read found a page missing or corrupt in the store (a short read
   without an error; ``OffloadCore.load_read``): the first page it could not read is no
   longer in the tier (the store evicted it, or it is unusable). A read that *raised*
@@ -43,7 +44,7 @@ from kvoffload.errors import ConfigError, PartialWriteError
 if TYPE_CHECKING:
     from array import array
 
-    from kvoffload.abc import Transfer, WriteJob
+    from kvoffload.abc import Transfer
     from kvoffload.core.chunks import Chunks
     from kvoffload.core.lifecycle import Lifecycle
     from kvoffload.core.loads import Load
@@ -61,7 +62,8 @@ DEFAULT_MAXLEN = 4096
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Pages the store confirmed: a run of consecutive pages of one request.
+    """Pages the store confirmed: a run of consecutive pages of one request (one copy
+    job's, up to its first page the store did not confirm).
 
     vLLM's fields: ``block_hashes`` (the pages' keys, hex: kvoffload's chain, what
     ``lookup()`` / ``fetch()`` and every kvoffload store use), ``parent_block_hash``
@@ -256,50 +258,44 @@ class KVEventSource:
 
     # --- events ----------------------------------------------------------------------
 
-    def written(self, job: WriteJob, stored: bool, error: BaseException | None) -> None:
-        """Write job ``job`` finished: announce the pages the store confirmed (all of
-        them when ``stored``; those flagged by a :class:`PartialWriteError`; none
-        otherwise). The one place a write's result becomes an event."""
-        chunk = self.chunks.pop(job.id, None)
+    def written(self, job_id: int, stored: bool, error: BaseException | None) -> None:
+        """Write job ``job_id`` (still queued) finished: announce the pages the store
+        confirmed, up to the first one it did not (all of them when ``stored``; the
+        leading ones a :class:`PartialWriteError` flags; none otherwise) - the pages a
+        lookup can reach: the chain breaks at the first unconfirmed page (F33, F34). The
+        one place a write's result becomes an event; a job id not queued is ignored
+        (the core's own call raises for it)."""
+        job = self.writes.jobs.get(job_id)
+        chunk = self.chunks.pop(job_id, None)
         buf = self.buffer
-        if chunk is None or buf is None:
+        if job is None or chunk is None or buf is None:
             return
         n = len(job.keys)
         if isinstance(error, PartialWriteError) and len(error.stored) == n:
-            flags: tuple[bool, ...] | list[bool] = error.stored
-        elif stored:
-            flags = [True] * n
+            ok = next((i for i, s in enumerate(error.stored) if not s), n)
         else:
+            ok = n if stored else 0
+        if ok == 0:
             return
         tokens, parent, tag = chunk
         ps = self.page_size
-        now = self.clock()
-        i = 0
-        while i < n:
-            if not flags[i]:
-                i += 1
-                continue
-            j = i
-            while j < n and flags[j]:
-                j += 1
-            buf._push(
-                BlockStored(
-                    block_hashes=job.keys[i:j],
-                    parent_block_hash=parent if i == 0 else job.keys[i - 1],
-                    token_ids=tokens[i * ps : j * ps].tolist(),
-                    block_size=ps,
-                    lora_id=None,
-                    medium=MEDIUM_STORAGE,
-                    lora_name=None,
-                    rid=job.rid,
-                    lifecycle_id=job.lifecycle_id,
-                    transfer=job.id,
-                    first_token=job.first_token + i * ps,
-                    tag=tag,
-                    t=now,
-                )
+        buf._push(
+            BlockStored(
+                block_hashes=job.keys[:ok],
+                parent_block_hash=parent,
+                token_ids=tokens[: ok * ps].tolist(),
+                block_size=ps,
+                lora_id=None,
+                medium=MEDIUM_STORAGE,
+                lora_name=None,
+                rid=job.rid,
+                lifecycle_id=job.lifecycle_id,
+                transfer=job.id,
+                first_token=job.first_token,
+                tag=tag,
+                t=self.clock(),
             )
-            i = j
+        )
 
     def wrap_read(self, read: Callable[..., list[Load]]) -> Callable[..., list[Load]]:
         """The core's ``load_read``: ``read`` (the load room's), then, while subscribed,

@@ -407,6 +407,8 @@ class OffloadCore:
         tries): its host pages return (rule 3), the outcome is counted, and a burst of
         failures is logged once. A job not stored is a hole in its request's chain
         (F33). Returns what a deferred chunk's expiry released."""
+        if self.kv.on:  # the one place a write's result becomes a KV event (the job still queued)
+            self.kv.written(job_id, stored, error)
         job = self.write_behind.pop(job_id, attempts)
         if not stored:
             lc = self.write_behind.hole(job)
@@ -414,8 +416,6 @@ class OffloadCore:
                 self.registry.fire(lc, _DROPPED)
         self.write_behind.count(job, stored, attempts, error)
         self.meters.written(job, stored, attempts)
-        if self.kv.on:  # the one place a write's result becomes a KV event
-            self.kv.written(job, stored, error)
         if self.wait.queue:
             self.wait.pump()
         return self.registry.take_released()
