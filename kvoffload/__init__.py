@@ -6,6 +6,7 @@ from __future__ import annotations
 import kvoffload._early_stop  # noqa: F401
 from kvoffload.abc import EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig
+from kvoffload.core.kv_events import BlockRemoved, BlockStored, KVEvents
 from kvoffload.core.lifecycle import Lifecycle, LifecycleId
 from kvoffload.core.loads import Load
 from kvoffload.core.stats import Statistics
@@ -37,12 +38,15 @@ __version__ = "0.1.0"
 __all__ = [
     "SPEC",
     "BackendError",
+    "BlockRemoved",
+    "BlockStored",
     "ConfigError",
     "DrainTimeout",
     "EventBackend",
     "InvalidTokens",
     "InvalidTransition",
     "InvariantViolation",
+    "KVEvents",
     "KVOffloadError",
     "Lifecycle",
     "LifecycleId",

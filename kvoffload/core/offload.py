@@ -45,6 +45,7 @@ from kvoffload.core import ledger
 from kvoffload.core.chunks import Chunks
 from kvoffload.core.deferral import HostWait
 from kvoffload.core.events import Events, logger, refresh_debug
+from kvoffload.core.kv_events import KVEventSource
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
 from kvoffload.core.loads import Loads
 from kvoffload.core.meters import Meters
@@ -154,6 +155,7 @@ class OffloadCore:
         self.loads = loads = Loads(
             counters, host_pool, device_pool, registry, events, lambda: chunks.accept, page_bytes
         )
+        self.kv = KVEventSource(registry.live, chunks, self.write_behind, clock)  # kv_events()
         registry.detach_row = step.detach
         wait.chunks = chunks
         wait.sync_row = step.sync
@@ -173,7 +175,8 @@ class OffloadCore:
         self.grow_one = step.grow_one
         self.grow = step.grow
         # The load path (kvoffload.core.loads): take_loads() lists each load that reached DONE once.
-        self.load_begin, self.load_read = meters.wrap_loads(loads.begin, loads.read)  # (s2h metered)
+        self.load_begin, read = meters.wrap_loads(loads.begin, loads.read)  # (s2h metered)
+        self.load_read = self.kv.wrap_read(read)  # (a short read is a KV event while subscribed)
         self.load_cancel = loads.cancel
         self.take_loads = loads.take
 
@@ -191,7 +194,7 @@ class OffloadCore:
 
     @accept.setter
     def accept(self, accept: Callable[[Transfer], None]) -> None:
-        self.chunks.accept = accept
+        self.chunks.accept = self.kv.wrap(accept)  # (itself unless KV events are on)
 
     @property
     def owner(self) -> int:
@@ -401,12 +404,12 @@ class OffloadCore:
         self, job_id: int, stored: bool, *, attempts: int = 1, error: BaseException | None = None
     ) -> list[Lifecycle]:
         """The writer finished job ``job_id`` (stored, or failed after ``attempts``
-        tries): its host pages return (rule 3), the outcome is counted, and a burst of
-        failures is logged once. A job not stored is a hole in its request's chain
-        (F33) at its first page the store did not confirm: when not ``stored``, an
-        ``error`` that is a :class:`~kvoffload.PartialWriteError` with one flag per page
-        says which pages the store confirmed (F34); any other error confirms none.
-        Returns what a deferred chunk's expiry released."""
+        tries): its host pages return (rule 3), the outcome is counted, a burst of
+        failures is logged once. A job not stored is a hole (F33) at its first page the
+        store did not confirm: a :class:`~kvoffload.PartialWriteError` ``error`` says per
+        page (F34); any other error confirms none. Returns what an expiry released."""
+        if self.kv.on:  # the one place a write's result becomes a KV event (the job still queued)
+            self.kv.written(job_id, stored, error)
         job = self.writes.get(job_id)
         lc, at = self.write_behind.done(job_id, stored, attempts, error)
         if lc is not None and self.chunks.hole(lc, at):

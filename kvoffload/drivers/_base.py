@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvoffload.abc import Completion, EventBackend, Storage, Transfer
 from kvoffload.config import OffloadConfig, physical_memory
 from kvoffload.core.events import Listener, logger
+from kvoffload.core.kv_events import DEFAULT_MAXLEN, KVEvents
 from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
@@ -532,6 +533,18 @@ class DriverBase:
                 core.refresh_observed()
 
         return remove
+
+    def kv_events(self, maxlen: int = DEFAULT_MAXLEN) -> KVEvents:
+        """Subscribe to the manager's KV events and return its one buffer
+        (:class:`~kvoffload.KVEvents`; the same one on every call, until it is closed):
+        a :class:`~kvoffload.BlockStored` for each run of pages the store confirmed, a
+        :class:`~kvoffload.BlockRemoved` for a page a load found gone (vLLM's shapes; see
+        :mod:`kvoffload.core.kv_events`). Iterating the buffer drains it; it keeps the
+        newest ``maxlen`` events (the oldest dropped and counted). Nothing is recorded,
+        and nothing costs, before the first call. Owner thread; raises
+        :class:`~kvoffload.ConfigError` for a bad ``maxlen``."""
+        self._check_owner("kv_events()")
+        return self.core.kv.subscribe(maxlen)
 
     @property
     def is_open(self) -> bool:

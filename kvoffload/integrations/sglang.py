@@ -47,6 +47,7 @@ from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.drivers.sync import SyncOffloadManager
 from kvoffload.errors import ConfigError, PageError
 from kvoffload.integrations.sglang_format import engine_kv_tensors
+from kvoffload.integrations.sglang_metrics import export
 from kvoffload.keys import namespace_seed, page_run_keys, validate_tokens
 
 __all__ = ["DecodeKVCacheOffloadManager", "engine_kv_tensors", "sglang_l3_storage"]
@@ -299,6 +300,7 @@ class DecodeKVCacheOffloadManager:
         host_wait_steps: int | None = None,
         drain_timeout_s: float | None = 30.0,
         release: Callable[[Any], object] | None = None,
+        metrics: bool | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
@@ -383,6 +385,9 @@ class DecodeKVCacheOffloadManager:
         self._arrivals: list[_Entry] = []
         self.ongoing_offload = _Ongoing(self.manager, self._arrivals)
         self.manager.open()
+        # _metrics: this rank's kvoffload_* series on SGLang's /metrics (sglang_metrics);
+        # None unless metrics=True, or None and SGLang's enable_metrics.
+        self._metrics = export(self.manager, self._tp_rank(tp_group), self.settings, metrics)
 
     # --- construction helpers ----------------------------------------------------------
 
@@ -539,6 +544,8 @@ class DecodeKVCacheOffloadManager:
         self.manager.poll()
         if self._dead:
             self._reap()
+        if self._metrics is not None:
+            self._metrics.tick()
 
     def finalize_release_on_finish(self, req: Any) -> None:
         """Release a finished request's KV now, unless a copy still reads it (then its
@@ -589,6 +596,9 @@ class DecodeKVCacheOffloadManager:
             try:
                 mgr.close()
             finally:
+                if self._metrics is not None:
+                    self._metrics.close()
+                    self._metrics = None
                 self._entries.clear()
                 self._dead.clear()
                 self._running.clear()

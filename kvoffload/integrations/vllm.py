@@ -93,6 +93,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +118,8 @@ from kvoffload.storage.writer import ThreadWriter, WritePolicy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -131,6 +135,7 @@ __all__ = [
     "KVOffloadConnectorMetadata",
     "KVOffloadWorkerMetadata",
     "check_kv_cache_config",
+    "kv_events_enabled",
 ]
 
 
@@ -151,6 +156,13 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         """Both ranks' reports as one (each job's rank count added up)."""
         assert isinstance(other, KVOffloadWorkerMetadata)
         return KVOffloadWorkerMetadata(self.report.merge(other.report))
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``):
+    only then does the connector record its own."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
 def check_kv_cache_config(kv_cache_config: Any) -> Any:
@@ -202,9 +214,8 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.num_blocks = int(kv_cache_config.num_blocks)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # host pages: the same number on the scheduler and on every worker
-        self.host_pages = self.settings.host_pages_for(
-            self.num_blocks, int(spec.page_size_bytes) * len(self.layer_names)
-        )
+        block_bytes = int(spec.page_size_bytes) * len(self.layer_names)  # one rank's
+        self.host_pages = self.settings.host_pages_for(self.num_blocks, block_bytes)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
@@ -214,6 +225,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 ktc.kv_load_failure_policy = "recompute"  # read by the scheduler right after this
                 logger.info("vllm.load_failure_policy", policy="recompute")
             store = open_store(self.settings.storage)
+            self._store_name = str(getattr(store, "name", type(store).__name__.lower()))
             self._stores = rank_stores(store, self.tp_size)
             meta = HostPool.new(1, (1,), "uint8", buffer=torch.empty(0, device="meta"))
             self._io = ThreadWriter(store, meta, WritePolicy())
@@ -228,7 +240,13 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 stride=self.settings.stride,
                 namespace=self.settings.namespace,
                 max_blocks=None if max_len is None else math.ceil(max_len / self.block_size) + 1,
+                kv_events=kv_events_enabled(vllm_config),
+                page_bytes=block_bytes * self.tp_size,
             )
+            self.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
+            from kvoffload.integrations.vllm_metrics import StatsClock
+
+            self._stats = StatsClock(time.monotonic)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -291,6 +309,53 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         return self._plan().finished(request, aborted), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pages the store confirmed and the pages a load found gone since the last
+        call, as vLLM's ``BlockStored`` / ``BlockRemoved`` under vLLM's block hashes
+        (:mod:`~kvoffload.integrations.vllm_events`); vLLM's scheduler publishes them with
+        its own (``kv_events_config``). Empty unless KV cache events are enabled."""
+        planner = self.planner
+        if planner is None or planner.kv_events is None or not len(planner.kv_events):
+            return ()
+        from kvoffload.integrations.vllm_events import vllm_events
+
+        return vllm_events(
+            planner.kv_events,
+            block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            request_of=planner.request,
+        )
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler side: a cumulative snapshot of the planner's core for vLLM's stats
+        (:mod:`~kvoffload.integrations.vllm_metrics`), at most once a second and once when
+        the work is done; ``None`` otherwise and on the workers (they keep no figures)."""
+        planner = self.planner
+        if planner is None:
+            return None
+        return self._stats.take(planner.core, planner.busy, self._store_name)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """The stats vLLM's loggers rebuild from the data the scheduler side sent."""
+        from kvoffload.integrations.vllm_metrics import KVOffloadConnectorStats
+
+        return KVOffloadConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """The ``kvoffload_*`` metrics on vLLM's Prometheus setup (its API server's
+        ``/metrics``), with vLLM's labels (``model_name``, ``engine``)."""
+        from kvoffload.integrations.vllm_metrics import KVOffloadPromMetrics
+
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         """Copies, writes or loads in flight, or held requests: vLLM keeps stepping

@@ -46,6 +46,7 @@ from typing import Any
 from kvoffload.abc import Transfer, TransferId
 from kvoffload.config import OffloadConfig
 from kvoffload.core.events import logger
+from kvoffload.core.kv_events import KVEvents
 from kvoffload.core.lifecycle import Lifecycle
 from kvoffload.core.loads import Load
 from kvoffload.core.offload import OffloadCore
@@ -109,7 +110,9 @@ class Planner:
     must report a job before it counts done. ``stride``: tokens per copy while decoding
     (a multiple of ``block_size``; default one block); the host pages are shared by
     stores and loads. ``max_blocks``: most blocks one request can have (vLLM's
-    ``max_model_len`` in blocks).
+    ``max_model_len`` in blocks). ``kv_events``: subscribe the core's KV events
+    (:attr:`kv_events`; the connector hands them to vLLM's publisher). ``page_bytes``:
+    the bytes of one block on all ranks (the core's byte figures; 0: unknown).
     """
 
     def __init__(
@@ -124,6 +127,8 @@ class Planner:
         namespace: str | None = None,
         max_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_events: bool = False,
+        page_bytes: int = 0,
     ) -> None:
         import torch
 
@@ -153,8 +158,14 @@ class Planner:
             host_pool=host,
             accept=self._accept,
             storage=True,
+            page_bytes=page_bytes,
         )
         self.core.refresh_observed()
+        # kv_events: the core's KV events (stored / removed pages; each stored one's tag is
+        # its vLLM Request), drained by the connector's take_events; None when not asked.
+        self.kv_events: KVEvents | None = (
+            self.core.kv.subscribe(max(4096, 2 * host_pages)) if kv_events else None
+        )
         # _free_ids: stand-in ids no live lifecycle holds; _block_of[v]: the vLLM block of id v.
         # Invariant: not (set(self._free_ids) & set(self._block_of))
         self._free_ids: list[int] = list(range(self._n_own - 1, -1, -1))
@@ -257,7 +268,9 @@ class Planner:
             hit = int(self.lookup(keys))
         except Exception as exc:  # a store that fails or times out: a miss, never an error
             logger.warning("vllm.lookup_failed", rid=request.request_id, error=repr(exc))
+            self.core.meters.lookup_failed()
             return 0
+        self.core.meters.looked_up(len(keys), min(max(hit, 0), len(keys)))
         return max(0, min(hit, n_pages) - first) * bs
 
     def start_load(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
@@ -376,7 +389,12 @@ class Planner:
             ids = list(range(self._prefix_base, self._prefix_base + shared)) + self._ids(blocks[shared:])
             try:
                 rec.lc = self.core.admit(
-                    request.request_id, list(tokens[:upto]), pages=ids, chain_seed=rec.seed, stored=stored
+                    request.request_id,
+                    list(tokens[:upto]),
+                    pages=ids,
+                    tag=request,  # (a KV event's way back to vLLM's block hashes)
+                    chain_seed=rec.seed,
+                    stored=stored,
                 )
             except BaseException:
                 self._forget(ids[shared:])
@@ -484,6 +502,11 @@ class Planner:
         """Whether work is left that needs more engine steps (copies, writes, loads,
         held requests, or a plan not sent yet): vLLM's ``has_pending_push_work``."""
         return bool(self.core.busy or self._loads or self._held or self._plan or self._copy_of)
+
+    def request(self, request_id: str) -> Any:
+        """The live vLLM request of that id, or ``None``."""
+        rec = self._requests.get(request_id)
+        return None if rec is None else rec.request
 
     def lifecycle(self, request_id: str) -> Lifecycle | None:
         """The live request's current lifecycle (for tests and statistics)."""

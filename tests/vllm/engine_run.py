@@ -16,6 +16,16 @@ Spec keys:
 - ``engine_args``: extra ``LLM(...)`` keyword arguments (``block_size``,
   ``max_model_len``, ``enable_prefix_caching`` (default ``False``: what is cached is what
   the connector loaded), ``num_gpu_blocks_override``, ``max_num_seqs`` ...).
+- ``kv_events``: ``{"endpoint": "tcp://127.0.0.1:PORT", "joined": PATH, "done": PATH}``:
+  vLLM publishes its KV cache events over ZMQ to the endpoint (a subscriber the test
+  bound: vLLM's publisher connects to a non-wildcard endpoint). Before the phases the
+  runner publishes empty batches stamped ``ts=0.0`` until the file ``joined`` exists
+  (the subscriber saw one: nothing later is lost to ZMQ's slow joiner); after them, one
+  stamped ``ts=-1.0`` (after every event of the run, on the same socket) until ``done``
+  exists. In-process only.
+- ``metrics``: ``true``: the result's ``metrics`` holds the ``kvoffload_*`` lines of
+  this process's Prometheus exposition after the phases (what vLLM's stat loggers
+  exported: the connector's figures through ``build_prom_metrics``).
 - ``inproc``: run vLLM's EngineCore in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
   default ``true``): the scheduler can then be read between steps (step phases).
 - ``phases``: a list; each has ``name``, ``requests`` and ``mode``:
@@ -177,6 +187,13 @@ def main(spec_path: str, result_path: str) -> None:
         "seed": spec.get("seed", 0),
     }
     kwargs.update(spec.get("engine_args", {}))
+    kv_events = spec.get("kv_events")
+    if kv_events:
+        from vllm.config.kv_events import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events["endpoint"], topic="kv"
+        )
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
     llm = LLM(**kwargs)
@@ -188,6 +205,8 @@ def main(spec_path: str, result_path: str) -> None:
         conn = getattr(sched, "connector", None)
         result["connector"] = None if conn is None else f"{type(conn).__module__}.{type(conn).__qualname__}"
 
+    if kv_events:
+        _kv_events_handshake(sched, 0.0, kv_events["joined"])
     full: dict[str, list[int]] = {}  # name -> prompt + output, for extend_with
 
     def prompt_of(req: dict[str, Any]) -> list[int]:
@@ -227,6 +246,13 @@ def main(spec_path: str, result_path: str) -> None:
             rec = _record(out, len(p))
             result["requests"][r["name"]] = rec
             full[r["name"]] = [*p, *rec["output"]]
+    if kv_events:
+        _kv_events_handshake(sched, -1.0, kv_events["done"])
+    if spec.get("metrics"):
+        from prometheus_client import REGISTRY, generate_latest
+
+        text = generate_latest(REGISTRY).decode()
+        result["metrics"] = [line for line in text.splitlines() if line.startswith("kvoffload_")]
     if sched is not None:
         result["scheduler_stats"] = {
             "requests_left": len(sched.requests),
@@ -240,6 +266,25 @@ def main(spec_path: str, result_path: str) -> None:
 
 
 DRAIN_S = 120.0
+KV_EVENTS_WAIT_S = 120.0
+
+
+def _kv_events_handshake(sched: Any, marker: float, ack: str) -> None:
+    """Publish an empty KV event batch stamped ``marker`` through vLLM's own publisher
+    until the subscriber acknowledges one (the file ``ack`` exists); a subscriber that
+    never does ends the run with an error within ``KV_EVENTS_WAIT_S``."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    if sched is None:
+        raise SystemExit("kv_events needs the EngineCore in this process (inproc: true)")
+    deadline = time.monotonic() + KV_EVENTS_WAIT_S
+    while not os.path.exists(ack):
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"no KV event subscriber acknowledged ts={marker} within {KV_EVENTS_WAIT_S:.0f} s"
+            )
+        sched.kv_event_publisher.publish(KVEventBatch(ts=marker, events=[]))
+        time.sleep(0.05)
 
 
 def _thread_cpu() -> dict[str, float]:
