@@ -16,6 +16,11 @@ if ! command -v dot >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
 fi
 echo "== redis"; eval "$(bash scripts/redis.sh start)"; trap 'bash scripts/redis.sh stop' EXIT
 export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
+# Mooncake Store: master + memory server on loopback (mooncake.sh installs Debian's
+# libibverbs1 first when it is missing, as graphviz above); its tests must run, not skip.
+echo "== mooncake"; eval "$(bash scripts/mooncake.sh start)"
+trap 'bash scripts/mooncake.sh stop; bash scripts/redis.sh stop' EXIT
+export KVOFFLOAD_REQUIRE_MOONCAKE=1
 echo "== pytest"; python -m pytest -q "$@"
 # SGLang's real classes (a second environment, CPU only: scripts/setup_sglang.sh). The
 # integration tests run again there, where the real-class tests must run, not skip.

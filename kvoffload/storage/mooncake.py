@@ -1,0 +1,658 @@
+"""A Mooncake Store tier: pages pooled in the DRAM of many machines
+(``pip install 'kvoffload[mooncake]'``; Debian's ``libibverbs1`` must be installed).
+
+Mooncake Store (kvcache-ai/Mooncake) is the distributed KV tier SGLang HiCache, vLLM,
+LMCache and Dynamo use: a ``mooncake_master`` allocates space and keeps the metadata;
+clients contribute DRAM segments and move bytes between them with the transfer engine.
+This store is one such client.
+
+``resolve_storage("mooncake://HOST:PORT?...")`` opens one (HOST:PORT is the master's RPC
+address); :class:`MooncakeStore` is the class for those who build it themselves. Options
+(query parameters, or keyword arguments of the same name; an unknown one is refused):
+
+=======================  ===================  ======================================================
+option                   default              meaning
+=======================  ===================  ======================================================
+``prefix``               ``kvoffload:``       put before every page key (the object's name)
+``global_segment_size``  ``256MiB``           DRAM this client lends to the pool (``0``: none; then
+                                              pages live in other clients' segments, e.g. a
+                                              ``mooncake_client`` memory server, and outlive this
+                                              process)
+``local_buffer_size``    ``16MiB``            the client's staging buffer (``get``; not the zero-copy
+                                              path)
+``protocol``             ``tcp``              transfer protocol: ``tcp`` or ``rdma``
+``device``               (none)               RDMA device names (``protocol=rdma``)
+``local_hostname``       (route to master)    the address this client's transfer engine advertises
+``metadata_server``      ``P2PHANDSHAKE``     Mooncake's metadata service: P2P handshake needs none
+                                              (no etcd, no HTTP metadata server)
+``replicas``             ``1``                memory replicas of each page
+``timeout_s``            ``5``                bound of one master RPC (``MC_RPC_TIMEOUT_MS``) and of
+                                              opening; an abandoned write waits at most 3x this
+``verify``               ``1``                check each page's checksum on read (``0``: header only)
+=======================  ===================  ======================================================
+
+Sizes take a unit (``KB``, ``MB``, ``GB``, ``KiB``, ``MiB``, ``GiB``) or are bytes.
+
+**Records, and why a checksum.** Each page is one Mooncake object under
+``<prefix><page key>`` holding a kvoffload record (:mod:`kvoffload.storage._record`: the
+key, the payload length and an XXH3-64 checksum, then the page), as on the file and
+redis stores. Mooncake's own guarantees (a put is visible only after PutEnd; a read holds
+a lease so the object is not removed under it; sizes are exact) make a torn *put*
+unreadable, but they do not cover bytes that changed under a transfer: a write whose
+call timed out is abandoned here (so nothing hangs) while Mooncake may still be reading
+the host page, which the pool may hand to another copy; an upsert that replaces a key
+may write where a reader is reading; a segment's memory may be corrupt. The checksum,
+computed before the transfer and checked after it, turns each of these into a miss
+(FAILURES F38), never into wrong KV. Measured cost (``benchmarks/bench_storage.py``):
+writes none to speak of; reads of a local segment (a memcpy) pay the hash, which is
+about a third of the copy on this machine; over a network the transfer dominates.
+``verify=0`` keeps the header checks (key, length) and skips the hash.
+
+**Writes** go from the host pool's memory (registered with Mooncake once per pool):
+``batch_put_from_multi_buffers`` sends each record as its header (from a small
+registered arena) and the page itself, no copy. Keys already stored are replaced
+(``batch_upsert_from`` of a staged record), so a record that is corrupt or another
+writer's heals on the next write of its key. Mooncake answers per key, so a batch
+that is stored in part raises :class:`~kvoffload.errors.PartialWriteError` (``stored``:
+one flag per page), one stored not at all a plain :class:`~kvoffload.StorageError`.
+**Reads** (``get_into``) land in the host pages with ``batch_get_into_multi_buffers``
+(headers to the arena, pages in place); ``exists_prefix`` is one ``batch_is_exist``.
+
+**Threads and time.** Every client call runs on a worker thread, never on the event
+loop. Master RPCs are bounded by ``timeout_s`` (Mooncake's ``MC_RPC_TIMEOUT_MS``, set
+for the process by the first store opened unless already set). A write or an existence
+check that has not returned after 3x ``timeout_s`` is abandoned (a ``StorageError``); a
+read is waited for, since its thread writes into the caller's buffers. Opening checks
+that the master answers at all (a TCP connect bounded by ``timeout_s``) before
+Mooncake's setup, so a master that is not there is a ``StorageError`` naming it at once.
+
+**Network.** With ``P2PHANDSHAKE`` no metadata server runs. Mooncake 0.3.13's client
+listens on the wildcard address for its handshake and TCP transport whatever
+``local_hostname`` says; it advertises ``local_hostname``, so with a master on
+127.0.0.1 every connection is on loopback (tests/storage/test_mooncake_store.py
+checks this). Keep those ports off the network with a firewall or a network namespace.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import os
+import re
+import socket
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import anyio
+import anyio.to_thread
+
+from kvoffload.abc import Storage
+from kvoffload.errors import ConfigError, MissingDependency, PartialWriteError, StorageError
+from kvoffload.pools import page_views
+from kvoffload.storage._record import decode, encode_header, header_size, intact, payload_offset
+from kvoffload.storage._url import redact
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvoffload.pools import HostPool
+
+__all__ = ["DEFAULT_PREFIX", "OPTIONS", "MooncakeStore", "error_name"]
+
+_T = TypeVar("_T")
+
+#: Key prefix when none is given.
+DEFAULT_PREFIX = "kvoffload:"
+
+#: The options a ``mooncake://`` URL may carry, with their defaults (as written in a URL).
+OPTIONS: dict[str, str | None] = {
+    "prefix": DEFAULT_PREFIX,
+    "global_segment_size": "256MiB",
+    "local_buffer_size": "16MiB",
+    "protocol": "tcp",
+    "device": None,
+    "local_hostname": None,
+    "metadata_server": "P2PHANDSHAKE",
+    "replicas": "1",
+    "timeout_s": "5",
+    "verify": "1",
+}
+
+#: Mooncake's error codes (mooncake-store types.h, 0.3.13) that this store names.
+_ERRORS = {
+    -1: "INTERNAL_ERROR",
+    -200: "NO_AVAILABLE_HANDLE (no space left in the segments)",
+    -600: "INVALID_PARAMS (the object is larger than the buffer)",
+    -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND",
+    -705: "OBJECT_ALREADY_EXISTS",
+    -706: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL (the master did not answer)",
+    -901: "RPC_TIMEOUT",
+}
+#: Codes that say the master cannot be reached.
+_UNREACHABLE = frozenset({-900, -901})
+
+_SIZE = re.compile(r"\s*(\d+)\s*([kmgt]?i?b?)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+#: Bytes of header room per page in an arena (a header is 24 bytes plus the key).
+_ARENA_MIN = 1 << 16
+
+
+def error_name(code: int) -> str:
+    """Mooncake's name for an error ``code`` (a negative int), or the number."""
+    return _ERRORS.get(code, f"error {code}")
+
+
+def _parse_size(name: str, text: str) -> int:
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ConfigError(f"mooncake storage: {name}={text!r} is not a size (bytes, or e.g. 64MiB, 1GB)")
+    unit = (m.group(2) or "").lower()
+    base = _UNITS.get(unit[:1], 1)
+    if "i" in unit:
+        base = {10**3: 1 << 10, 10**6: 1 << 20, 10**9: 1 << 30, 10**12: 1 << 40}.get(base, base)
+    return int(m.group(1)) * base
+
+
+def _mooncake_store() -> Any:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise MissingDependency(
+            "the mooncake storage needs Mooncake's client: pip install 'kvoffload[mooncake]' "
+            f"(and Debian's libibverbs1: apt-get install -y libibverbs1): {exc}"
+        ) from exc
+    return MooncakeDistributedStore
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    prefix: str
+    global_segment_size: int
+    local_buffer_size: int
+    protocol: str
+    device: str
+    local_hostname: str | None
+    metadata_server: str
+    replicas: int
+    timeout_s: float
+    verify: bool
+
+
+def _settings(query: dict[str, str], given: dict[str, Any]) -> _Settings:
+    """The store's settings: keyword arguments over URL options over defaults."""
+    raw: dict[str, Any] = {k: v for k, v in OPTIONS.items()}
+    raw.update(query)
+    raw.update({k: v for k, v in given.items() if v is not None})
+
+    def size(name: str) -> int:
+        v = raw[name]
+        n = v if type(v) is int else _parse_size(name, str(v))
+        if n < 0:
+            raise ConfigError(f"mooncake storage: {name} must be >= 0, got {v!r}")
+        return n
+
+    protocol = str(raw["protocol"])
+    if protocol not in ("tcp", "rdma"):
+        raise ConfigError(f"mooncake storage: protocol must be 'tcp' or 'rdma', got {protocol!r}")
+    try:
+        replicas = int(raw["replicas"])
+        timeout_s = float(raw["timeout_s"])
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"mooncake storage: replicas={raw['replicas']!r} must be an int and "
+            f"timeout_s={raw['timeout_s']!r} a number"
+        ) from None
+    if replicas < 1:
+        raise ConfigError(f"mooncake storage: replicas must be >= 1, got {replicas!r}")
+    if not timeout_s > 0:
+        raise ConfigError(f"mooncake storage: timeout_s must be > 0, got {timeout_s!r}")
+    verify = raw["verify"]
+    if not isinstance(verify, bool):
+        if str(verify).lower() not in ("0", "1", "true", "false"):
+            raise ConfigError(f"mooncake storage: verify must be 0 or 1, got {verify!r}")
+        verify = str(verify).lower() in ("1", "true")
+    return _Settings(
+        prefix=str(raw["prefix"]),
+        global_segment_size=size("global_segment_size"),
+        local_buffer_size=size("local_buffer_size"),
+        protocol=protocol,
+        device=str(raw["device"] or ""),
+        local_hostname=None if raw["local_hostname"] is None else str(raw["local_hostname"]),
+        metadata_server=str(raw["metadata_server"]),
+        replicas=replicas,
+        timeout_s=timeout_s,
+        verify=verify,
+    )
+
+
+class _Arena:
+    """A buffer registered with the client once, lent to one call at a time."""
+
+    __slots__ = ("buf", "ptr", "size")
+
+    def __init__(self, buf: np.ndarray[Any, Any]) -> None:
+        self.buf = buf
+        self.ptr = int(buf.ctypes.data)
+        self.size = int(buf.nbytes)
+
+
+class MooncakeStore(Storage):
+    """Pages in a Mooncake Store whose master listens at ``url``
+    (``mooncake://HOST:PORT?option=value&...``; options in the module's docstring; the
+    keyword arguments of the same names override the URL's).
+
+    Creating the store opens the client (Mooncake's ``setup``): it raises
+    :class:`~kvoffload.StorageError` naming the master's address when the master
+    cannot be reached, :class:`~kvoffload.ConfigError` for a bad URL or option (naming
+    it), :class:`~kvoffload.MissingDependency` when Mooncake is not installed. Called
+    where every store is (the writer's loop, ``lookup``/``fetch``); every client call
+    runs on a worker thread. ``aclose`` closes the client (its segment leaves the pool).
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        global_segment_size: int | str | None = None,
+        local_buffer_size: int | str | None = None,
+        protocol: str | None = None,
+        device: str | None = None,
+        local_hostname: str | None = None,
+        metadata_server: str | None = None,
+        replicas: int | None = None,
+        timeout_s: float | None = None,
+        verify: bool | None = None,
+    ) -> None:
+        self.display_url = redact(url)
+        parts = urlsplit(url)
+        if parts.scheme != "mooncake":
+            raise ConfigError(f"mooncake storage: {self.display_url!r} is not a mooncake://HOST:PORT URL")
+        try:
+            host, port = parts.hostname, parts.port
+        except ValueError:
+            host, port = None, None
+        if not host or port is None or parts.path not in ("", "/"):
+            raise ConfigError(
+                f"mooncake storage: {self.display_url!r} must name the master as mooncake://HOST:PORT "
+                "(its RPC address), options as query parameters"
+            )
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(query) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(
+                f"mooncake storage: unknown option(s) {', '.join(unknown)} in {self.display_url!r}; "
+                f"allowed: {', '.join(OPTIONS)}"
+            )
+        given = {
+            "prefix": prefix,
+            "global_segment_size": global_segment_size,
+            "local_buffer_size": local_buffer_size,
+            "protocol": protocol,
+            "device": device,
+            "local_hostname": local_hostname,
+            "metadata_server": metadata_server,
+            "replicas": replicas,
+            "timeout_s": timeout_s,
+            "verify": verify,
+        }
+        s = self.settings = _settings(query, given)
+        self.prefix = s.prefix
+        self.master = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        self.timeout_s = s.timeout_s
+        self.verify = s.verify
+        # Invariant: _lock guards _regions, _pools and _free (they are read and written from worker threads).
+        self._lock = threading.Lock()
+        # _regions: (start, end) of every buffer registered with the client, sorted, disjoint.
+        self._regions: list[tuple[int, int]] = []
+        # _pools: host pools registered, by id, with a weakref to see that the id is still theirs.
+        self._pools: dict[int, tuple[weakref.ref[HostPool], int, int]] = {}
+        # _free: arenas not lent to a call right now.
+        self._free: list[_Arena] = []
+        # _closed: aclose ran; every later call raises.
+        self._closed = False
+        self._client = self._open(host, port)
+
+    # --- opening and closing ------------------------------------------------------------
+
+    def _open(self, host: str, port: int) -> Any:
+        s = self.settings
+        try:
+            with socket.create_connection((host, port), timeout=s.timeout_s) as probe:
+                local = probe.getsockname()[0]
+        except OSError as exc:
+            raise StorageError(
+                f"mooncake storage: cannot reach the master at {self.master} ({self.display_url}): {exc}"
+            ) from None
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(s.timeout_s * 1000))))
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        client = _mooncake_store()()
+        rc = client.setup(
+            s.local_hostname or local,
+            s.metadata_server,
+            s.global_segment_size,
+            s.local_buffer_size,
+            s.protocol,
+            s.device,
+            self.master,
+        )
+        if rc != 0:
+            with contextlib.suppress(Exception):
+                client.close()
+            raise StorageError(
+                f"mooncake storage: the client could not set up with the master at {self.master} "
+                f"(setup returned {rc}; protocol {s.protocol}, segment {s.global_segment_size} bytes)"
+            )
+        return client
+
+    async def aclose(self) -> None:
+        """Close the client (bounded by ``timeout_s``; a close that does not return is
+        left to its thread). Later calls raise :class:`~kvoffload.StorageError`."""
+        if self._closed:
+            return
+        self._closed = True
+        client = self._client
+        with anyio.move_on_after(3 * self.timeout_s):
+            await anyio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+
+    # --- buffers ------------------------------------------------------------------------
+
+    def _registered(self, start: int, size: int) -> bool:
+        i = bisect.bisect_right(self._regions, (start, 1 << 64)) - 1
+        return i >= 0 and self._regions[i][0] <= start and start + size <= self._regions[i][1]
+
+    def _register(self, start: int, size: int) -> bool:
+        """Register ``size`` bytes at ``start`` with the client (once). Lock held."""
+        if self._registered(start, size):
+            return True
+        end = start + size
+        if any(a < end and start < b for a, b in self._regions):
+            return False  # overlaps a region registered before: not registered again
+        if self._client.register_buffer(start, size) != 0:
+            return False
+        bisect.insort(self._regions, (start, end))
+        return True
+
+    def _pool_base(self, pool: HostPool) -> tuple[int, int]:
+        """(address, bytes per page) of ``pool``'s memory, registered once per pool."""
+        entry = self._pools.get(id(pool))
+        if entry is not None and entry[0]() is pool:
+            return entry[1], entry[2]
+        t = pool.tensor
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{pool!r}: the mooncake store writes only from a contiguous CPU pool")
+        base, total = int(t.data_ptr()), t.numel() * t.element_size()
+        with self._lock:
+            if not self._register(base, total):
+                raise StorageError(f"mooncake storage: could not register {pool!r} with the client")
+            self._pools[id(pool)] = (weakref.ref(pool), base, total // pool.n_pages)
+        return base, total // pool.n_pages
+
+    @contextlib.contextmanager
+    def _arena(self, nbytes: int) -> Iterator[_Arena]:
+        """A registered buffer of at least ``nbytes`` for the length of one call."""
+        import numpy as np
+
+        with self._lock:
+            for i, a in enumerate(self._free):
+                if a.size >= nbytes:
+                    arena = self._free.pop(i)
+                    break
+            else:
+                size = max(_ARENA_MIN, 1 << (max(nbytes, 1) - 1).bit_length())
+                arena = _Arena(np.empty(size, dtype=np.uint8))
+                if not self._register(arena.ptr, arena.size):
+                    raise StorageError("mooncake storage: could not register a staging buffer")
+        try:
+            yield arena
+        finally:
+            with self._lock:
+                self._free.append(arena)
+
+    # --- calls on threads ---------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError(f"mooncake storage at {self.master}: the store is closed")
+
+    async def _abandonable(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on a worker thread; after 3x ``timeout_s`` the caller gets a
+        StorageError and the thread is left to finish (safe for writes: see the module)."""
+        self._check_open()
+        bound = 3 * self.timeout_s
+        with anyio.move_on_after(bound) as scope:
+            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        assert scope.cancelled_caught
+        raise StorageError(f"mooncake storage at {self.master}: {what} did not return within {bound:g} s")
+
+    def _k(self, keys: Sequence[str]) -> list[str]:
+        p = self.prefix
+        return [p + k for k in keys]
+
+    def _error(self, what: str, detail: str) -> StorageError:
+        return StorageError(f"mooncake storage at {self.master}: {what} failed: {detail}")
+
+    # --- writes -------------------------------------------------------------------------
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        if len(keys) != len(pages):
+            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+        if keys:
+            views = [memoryview(p).cast("B") for p in pages]
+            await self._abandonable("write", self._put_sync, list(keys), views, None)
+
+    async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
+        """Write each host page from the pool's memory (registered once): no copy of a
+        page is made for a key not yet stored."""
+        if len(keys) != len(host_pages):
+            raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
+        if not keys:
+            return
+        base, size = self._pool_base(host_pool)
+        ptrs = [base + p * size for p in host_pages]
+        views = page_views(host_pool, host_pages)
+        try:
+            await self._abandonable("write", self._put_sync, list(keys), views, ptrs)
+        finally:
+            del views
+
+    def _put_sync(self, keys: list[str], views: list[memoryview], ptrs: list[int] | None) -> None:
+        """Headers (with checksums) into an arena; keys not yet stored go out as header +
+        page from where the page is (``ptrs``, registered) or from the arena; keys already
+        stored are replaced by an upsert of the whole record staged in the arena."""
+        client = self._client
+        names = self._k(keys)
+        heads = [encode_header(k, v) for k, v in zip(keys, views, strict=True)]
+        exists = client.batch_is_exist(names)
+        new = [i for i, e in enumerate(exists) if e != 1]
+        old = [i for i, e in enumerate(exists) if e == 1]
+        codes: list[int] = [0] * len(keys)
+        if new:
+            staged = ptrs is None
+            need = sum(len(heads[i]) + (views[i].nbytes if staged else 0) for i in new)
+            with self._arena(need) as arena:
+                buf, off = arena.buf, 0
+                bufs: list[list[int]] = []
+                sizes: list[list[int]] = []
+                for i in new:
+                    h = heads[i]
+                    buf[off : off + len(h)] = memoryview(h)
+                    if staged:
+                        n = views[i].nbytes
+                        buf[off + len(h) : off + len(h) + n] = views[i]
+                        bufs.append([arena.ptr + off])
+                        sizes.append([len(h) + n])
+                        off += len(h) + n
+                    else:
+                        assert ptrs is not None
+                        bufs.append([arena.ptr + off, ptrs[i]])
+                        sizes.append([len(h), views[i].nbytes])
+                        off += len(h)
+                batch = [names[i] for i in new]
+                got = client.batch_put_from_multi_buffers(batch, bufs, sizes, self._config())
+            for i, c in zip(new, got, strict=True):
+                codes[i] = int(c)
+        if old:
+            need = sum(len(heads[i]) + views[i].nbytes for i in old)
+            with self._arena(need) as arena:
+                buf, off = arena.buf, 0
+                at: list[int] = []
+                lens: list[int] = []
+                for i in old:
+                    h, n = heads[i], views[i].nbytes
+                    buf[off : off + len(h)] = memoryview(h)
+                    buf[off + len(h) : off + len(h) + n] = views[i]
+                    at.append(arena.ptr + off)
+                    lens.append(len(h) + n)
+                    off += len(h) + n
+                got = client.batch_upsert_from([names[i] for i in old], at, lens, self._config())
+            for i, c in zip(old, got, strict=True):
+                codes[i] = int(c)
+        self._raise_for(codes)
+
+    def _config(self) -> Any:
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        config.replica_num = self.settings.replicas
+        return config
+
+    def _raise_for(self, codes: list[int]) -> None:
+        """Nothing when every page was stored; else the per-page truth (F34)."""
+        stored = [c == 0 for c in codes]
+        if all(stored):
+            return
+        errors = [None if ok else error_name(c) for ok, c in zip(stored, codes, strict=True)]
+        first = next(e for e in errors if e is not None)
+        n_bad = stored.count(False)
+        if not any(stored):
+            raise self._error("write", f"no page of {len(codes)} stored: {first}")
+        raise PartialWriteError(
+            f"mooncake storage at {self.master}: {n_bad} of {len(codes)} pages not stored: {first}",
+            stored,
+            errors,
+        )
+
+    # --- reads --------------------------------------------------------------------------
+
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        self._check_open()
+        records: list[bytes] = await anyio.to_thread.run_sync(self._get_sync, self._k(keys))
+        return [decode(k, r if r else None) for k, r in zip(keys, records, strict=True)]
+
+    def _get_sync(self, names: list[str]) -> list[bytes]:
+        codes = self._client.batch_is_exist(names)
+        bad = [c for c in codes if c < 0]
+        if bad:
+            raise self._error("read", error_name(bad[0]))
+        present = [n for n, c in zip(names, codes, strict=True) if c == 1]
+        got = iter(self._client.get_batch(present) if present else [])
+        return [next(got) if c == 1 else b"" for c in codes]
+
+    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
+        """Each page straight into its buffer (headers to a registered arena), then the
+        record checked: key, length and (``verify``) checksum. Waited for, never
+        abandoned: the thread writes into ``dest``."""
+        if len(keys) != len(dest):
+            raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
+        if not keys:
+            return 0
+        self._check_open()
+        return await anyio.to_thread.run_sync(self._get_into_sync, list(keys), list(dest))
+
+    def _get_into_sync(self, keys: list[str], dest: list[memoryview]) -> int:
+        import numpy as np
+
+        outs = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dest]
+        addrs = [int(np.frombuffer(o, dtype=np.uint8).ctypes.data) for o in outs]
+        direct = all(self._in_registered(a, o.nbytes, o) for a, o in zip(addrs, outs, strict=True))
+        hlens = [header_size(k) for k in keys]
+        staged = 0 if direct else sum(o.nbytes for o in outs)
+        with self._arena(sum(hlens) + staged) as arena:
+            bufs: list[list[int]] = []
+            sizes: list[list[int]] = []
+            off = 0
+            places: list[tuple[int, int]] = []  # (header offset, staged payload offset or -1)
+            for a, o, h in zip(addrs, outs, hlens, strict=True):
+                if direct:
+                    bufs.append([arena.ptr + off, a])
+                    places.append((off, -1))
+                    off += h
+                else:
+                    bufs.append([arena.ptr + off, arena.ptr + off + h])
+                    places.append((off, off + h))
+                    off += h + o.nbytes
+                sizes.append([h, o.nbytes])
+            codes = self._client.batch_get_into_multi_buffers(self._k(keys), bufs, sizes)
+            view: memoryview = arena.buf.data
+            for i, (key, o, h, c) in enumerate(zip(keys, outs, hlens, codes, strict=True)):
+                if c < 0:  # missing, another size (a failed transfer), or the master is gone
+                    if c in _UNREACHABLE and i == 0:
+                        raise self._error("read", error_name(int(c)))
+                    return i
+                hoff, poff = places[i]
+                found = payload_offset(key, view[hoff : hoff + h], int(c))
+                if found is None or found.length != o.nbytes:
+                    return i
+                payload = view[poff : poff + o.nbytes] if poff >= 0 else o
+                if self.verify and not intact(found, payload):
+                    return i
+                if poff >= 0:
+                    o[:] = payload
+        return len(keys)
+
+    def _in_registered(self, addr: int, size: int, view: memoryview) -> bool:
+        """Whether ``size`` bytes at ``addr`` lie in registered memory; registers the
+        whole buffer ``view`` was taken from when it is a NumPy array (a host pool)."""
+        with self._lock:
+            if self._registered(addr, size):
+                return True
+            obj: Any = view.obj
+            if obj is not None and type(obj).__module__ == "numpy" and hasattr(obj, "ctypes"):
+                return self._register(int(obj.ctypes.data), int(obj.nbytes)) and self._registered(addr, size)
+        return False
+
+    async def exists_prefix(self, keys: Sequence[str]) -> int:
+        """One ``batch_is_exist``; the record itself is checked on read."""
+        if not keys:
+            return 0
+        codes: list[int] = await self._abandonable("lookup", self._client.batch_is_exist, self._k(keys))
+        n = 0
+        for c in codes:
+            if c == 1:
+                n += 1
+                continue
+            if c < 0 and n == 0:
+                raise self._error("lookup", error_name(int(c)))
+            break
+        return n
+
+    # --- showing ------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "storage": self.name,
+            "url": self.display_url,
+            "master": self.master,
+            "prefix": self.prefix,
+            "global_segment_size": s.global_segment_size,
+            "protocol": s.protocol,
+            "replicas": s.replicas,
+            "verify": s.verify,
+        }
+
+    def __repr__(self) -> str:
+        return f"<MooncakeStore {self.display_url} prefix={self.prefix!r}>"
