@@ -95,7 +95,7 @@ class MooncakeServer:
             argv = [str(MOONCAKE_BIN / "mooncake_client"), "--host=127.0.0.1"]
             argv += ["--metadata_server=P2PHANDSHAKE"]
             argv += [f"--master_server_address=127.0.0.1:{self.port}", f"--port={self.client_port}"]
-            argv += [f"--global_segment_size={self.memory_mb}MB", "--protocol=tcp"]
+            argv += [f"--global_segment_size={self.memory_mb << 20}", "--protocol=tcp"]
             self.memory = self._spawn("memory", argv)
             self._wait_listening(self.memory, self.client_port, "memory")
 
