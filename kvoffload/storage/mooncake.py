@@ -75,6 +75,7 @@ checks this). Keep those ports off the network with a firewall or a network name
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import os
@@ -101,7 +102,7 @@ if TYPE_CHECKING:
 
     from kvoffload.pools import HostPool
 
-__all__ = ["DEFAULT_PREFIX", "OPTIONS", "MooncakeStore", "error_name"]
+__all__ = ["DEFAULT_PREFIX", "OPTIONS", "MooncakeStore", "close_clients", "error_name"]
 
 _T = TypeVar("_T")
 
@@ -244,6 +245,115 @@ class _Arena:
         self.size = int(buf.nbytes)
 
 
+class _Client:
+    """One Mooncake client of this process and what goes with it: the buffers registered
+    with it, the staging arenas, the calls running, whether its master is taken as down."""
+
+    def __init__(self, client: Any, addr: tuple[str, int]) -> None:
+        self.client = client
+        self.addr = addr
+        # Invariant: lock guards regions, pools, free and refs (worker threads use them).
+        self.lock = threading.Lock()
+        # regions: (start, end) of every buffer registered with the client, sorted, disjoint.
+        self.regions: list[tuple[int, int]] = []
+        # pools: host pools registered, by id, with a weakref to see that the id is still theirs.
+        self.pools: dict[int, tuple[weakref.ref[HostPool], int, int]] = {}
+        # free: arenas not lent to a call right now.
+        self.free: list[_Arena] = []
+        # refs: stores open on this client. Invariant: refs >= 0.
+        self.refs = 0
+        # busy: calls running inside the client now (an abandoned one included); it is
+        # closed only at 0. Invariant: busy >= 0 (under idle's lock).
+        self.busy = 0
+        self.idle = threading.Condition()
+        # down: the last answer said the master is unreachable; until a TCP connect to it
+        # succeeds again, calls fail at once instead of waiting out Mooncake's reconnects.
+        self.down = False
+        self.closed = False
+
+    def release(self) -> None:
+        with self.lock:
+            self.refs -= 1
+
+    def close(self, bound: float) -> bool:
+        """Close the client when no call runs in it (waiting at most ``bound`` s);
+        whether it was closed. A client whose abandoned call never returned stays open
+        rather than freed under it."""
+        with self.idle:
+            if not self.idle.wait_for(lambda: self.busy == 0, timeout=bound):
+                return False
+            self.closed = True
+        self.client.close()
+        return True
+
+
+#: The process's clients, by master and client settings. Invariant: every entry is open.
+_CLIENTS: dict[tuple[Any, ...], _Client] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client_for(master: str, addr: tuple[str, int], s: _Settings, shown: str) -> _Client:
+    """The open client for ``master`` with these settings (made and set up if none)."""
+    key = (master, s.global_segment_size, s.local_buffer_size, s.protocol, s.device, s.local_hostname,
+           s.metadata_server)  # fmt: skip
+    with _CLIENTS_LOCK:
+        c = _CLIENTS.get(key)
+        if c is None:
+            c = _CLIENTS[key] = _Client(_open(master, addr, s, shown), addr)
+        with c.lock:
+            c.refs += 1
+        return c
+
+
+def _open(master: str, addr: tuple[str, int], s: _Settings, shown: str) -> Any:
+    """A new Mooncake client, set up with ``master``; a StorageError naming it if the
+    master does not listen (a TCP connect bounded by ``timeout_s``) or setup fails."""
+    try:
+        with socket.create_connection(addr, timeout=s.timeout_s) as probe:
+            local = probe.getsockname()[0]
+    except OSError as exc:
+        raise StorageError(
+            f"mooncake storage: cannot reach the master at {master} ({shown}): {exc}"
+        ) from None
+    os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(s.timeout_s * 1000))))
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    client = _mooncake_store()()
+    rc = client.setup(
+        s.local_hostname or local, s.metadata_server, s.global_segment_size, s.local_buffer_size, s.protocol,
+        s.device, master,
+    )  # fmt: skip
+    if rc != 0:
+        with contextlib.suppress(Exception):
+            client.close()
+        raise StorageError(
+            f"mooncake storage: the client could not set up with the master at {master} "
+            f"(setup returned {rc}; protocol {s.protocol}, segment {s.global_segment_size} bytes)"
+        )
+    return client
+
+
+def close_clients(master: str | None = None, *, bound_s: float = 15.0) -> int:
+    """Close the process's Mooncake clients that no open store uses (of ``master``,
+    ``"HOST:PORT"``, or all): their segments leave the pool. Blocks (Mooncake's close
+    takes about a second and holds the interpreter's lock). Returns how many closed.
+    Runs at interpreter exit for all of them."""
+    with _CLIENTS_LOCK:
+        picked = [(k, c) for k, c in _CLIENTS.items() if c.refs <= 0 and (master is None or k[0] == master)]
+        for k, _ in picked:
+            del _CLIENTS[k]
+    return sum(c.close(bound_s) for _, c in picked)
+
+
+def _close_at_exit() -> None:
+    with _CLIENTS_LOCK:
+        for c in _CLIENTS.values():
+            c.refs = 0
+    close_clients(bound_s=2.0)
+
+
+atexit.register(_close_at_exit)
+
+
 class MooncakeStore(Storage):
     """Pages in a Mooncake Store whose master listens at ``url``
     (``mooncake://HOST:PORT?option=value&...``; options in the module's docstring; the
@@ -311,91 +421,65 @@ class MooncakeStore(Storage):
         self.master = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         self.timeout_s = s.timeout_s
         self.verify = s.verify
-        # Invariant: _lock guards _regions, _pools and _free (they are read and written from worker threads).
-        self._lock = threading.Lock()
-        # _regions: (start, end) of every buffer registered with the client, sorted, disjoint.
-        self._regions: list[tuple[int, int]] = []
-        # _pools: host pools registered, by id, with a weakref to see that the id is still theirs.
-        self._pools: dict[int, tuple[weakref.ref[HostPool], int, int]] = {}
-        # _free: arenas not lent to a call right now.
-        self._free: list[_Arena] = []
-        # _closed: aclose ran; every later call raises.
+        # _closed: aclose ran; every later call of this store raises.
         self._closed = False
-        self._client = self._open(host, port)
+        # _c: the process's client for this master and these client settings (shared by
+        # every store that names them; kept open until close_clients() or exit).
+        self._c = _client_for(self.master, (host, port), s, self.display_url)
+
+    @property
+    def _client(self) -> Any:
+        """The Mooncake client (``MooncakeDistributedStore``) this store calls."""
+        return self._c.client
+
+    @_client.setter
+    def _client(self, client: Any) -> None:
+        self._c.client = client
 
     # --- opening and closing ------------------------------------------------------------
 
-    def _open(self, host: str, port: int) -> Any:
-        s = self.settings
-        try:
-            with socket.create_connection((host, port), timeout=s.timeout_s) as probe:
-                local = probe.getsockname()[0]
-        except OSError as exc:
-            raise StorageError(
-                f"mooncake storage: cannot reach the master at {self.master} ({self.display_url}): {exc}"
-            ) from None
-        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(max(1, round(s.timeout_s * 1000))))
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-        client = _mooncake_store()()
-        rc = client.setup(
-            s.local_hostname or local,
-            s.metadata_server,
-            s.global_segment_size,
-            s.local_buffer_size,
-            s.protocol,
-            s.device,
-            self.master,
-        )
-        if rc != 0:
-            with contextlib.suppress(Exception):
-                client.close()
-            raise StorageError(
-                f"mooncake storage: the client could not set up with the master at {self.master} "
-                f"(setup returned {rc}; protocol {s.protocol}, segment {s.global_segment_size} bytes)"
-            )
-        return client
-
     async def aclose(self) -> None:
-        """Close the client (bounded by ``timeout_s``; a close that does not return is
-        left to its thread). Later calls raise :class:`~kvoffload.StorageError`."""
+        """Close this store: its later calls raise :class:`~kvoffload.StorageError`.
+        The client stays open for the process's other stores of this master (and for
+        the next one opened): Mooncake's close holds the interpreter's lock for about a
+        second while it joins its threads, which would stall every thread at each
+        close. :func:`close_clients` closes the clients no store uses (at exit too)."""
         if self._closed:
             return
         self._closed = True
-        client = self._client
-        with anyio.move_on_after(3 * self.timeout_s):
-            await anyio.to_thread.run_sync(client.close, abandon_on_cancel=True)
+        self._c.release()
 
     # --- buffers ------------------------------------------------------------------------
 
     def _registered(self, start: int, size: int) -> bool:
-        i = bisect.bisect_right(self._regions, (start, 1 << 64)) - 1
-        return i >= 0 and self._regions[i][0] <= start and start + size <= self._regions[i][1]
+        i = bisect.bisect_right(self._c.regions, (start, 1 << 64)) - 1
+        return i >= 0 and self._c.regions[i][0] <= start and start + size <= self._c.regions[i][1]
 
     def _register(self, start: int, size: int) -> bool:
         """Register ``size`` bytes at ``start`` with the client (once). Lock held."""
         if self._registered(start, size):
             return True
         end = start + size
-        if any(a < end and start < b for a, b in self._regions):
+        if any(a < end and start < b for a, b in self._c.regions):
             return False  # overlaps a region registered before: not registered again
-        if self._client.register_buffer(start, size) != 0:
+        if self._c.client.register_buffer(start, size) != 0:
             return False
-        bisect.insort(self._regions, (start, end))
+        bisect.insort(self._c.regions, (start, end))
         return True
 
     def _pool_base(self, pool: HostPool) -> tuple[int, int]:
         """(address, bytes per page) of ``pool``'s memory, registered once per pool."""
-        entry = self._pools.get(id(pool))
+        entry = self._c.pools.get(id(pool))
         if entry is not None and entry[0]() is pool:
             return entry[1], entry[2]
         t = pool.tensor
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{pool!r}: the mooncake store writes only from a contiguous CPU pool")
         base, total = int(t.data_ptr()), t.numel() * t.element_size()
-        with self._lock:
+        with self._c.lock:
             if not self._register(base, total):
                 raise StorageError(f"mooncake storage: could not register {pool!r} with the client")
-            self._pools[id(pool)] = (weakref.ref(pool), base, total // pool.n_pages)
+            self._c.pools[id(pool)] = (weakref.ref(pool), base, total // pool.n_pages)
         return base, total // pool.n_pages
 
     @contextlib.contextmanager
@@ -403,10 +487,10 @@ class MooncakeStore(Storage):
         """A registered buffer of at least ``nbytes`` for the length of one call."""
         import numpy as np
 
-        with self._lock:
-            for i, a in enumerate(self._free):
+        with self._c.lock:
+            for i, a in enumerate(self._c.free):
                 if a.size >= nbytes:
-                    arena = self._free.pop(i)
+                    arena = self._c.free.pop(i)
                     break
             else:
                 size = max(_ARENA_MIN, 1 << (max(nbytes, 1) - 1).bit_length())
@@ -416,8 +500,8 @@ class MooncakeStore(Storage):
         try:
             yield arena
         finally:
-            with self._lock:
-                self._free.append(arena)
+            with self._c.lock:
+                self._c.free.append(arena)
 
     # --- calls on threads ---------------------------------------------------------------
 
@@ -431,9 +515,39 @@ class MooncakeStore(Storage):
         self._check_open()
         bound = 3 * self.timeout_s
         with anyio.move_on_after(bound) as scope:
-            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(self._guarded, fn, *args, abandon_on_cancel=True)
         assert scope.cancelled_caught
         raise StorageError(f"mooncake storage at {self.master}: {what} did not return within {bound:g} s")
+
+    async def _waited(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` on a worker thread, waited for (it writes into the caller's memory)."""
+        self._check_open()
+        return await anyio.to_thread.run_sync(self._guarded, fn, *args)
+
+    def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """On the worker thread: count the call as running, and while the master is taken
+        as down, check with a TCP connect that it listens again before calling Mooncake."""
+        with self._c.idle:
+            if self._closed or self._c.closed:
+                raise StorageError(f"mooncake storage at {self.master}: the store is closed")
+            self._c.busy += 1
+        try:
+            if self._c.down:
+                try:
+                    socket.create_connection(self._c.addr, timeout=self.timeout_s).close()
+                except OSError as exc:
+                    raise self._error("call", f"RPC_FAIL: the master does not answer ({exc})") from None
+                self._c.down = False
+            return fn(*args)
+        finally:
+            with self._c.idle:
+                self._c.busy -= 1
+                self._c.idle.notify_all()
+
+    def _note(self, codes: Sequence[int]) -> None:
+        """Take the master as down when Mooncake said it could not reach it."""
+        if any(c in _UNREACHABLE for c in codes):
+            self._c.down = True
 
     def _k(self, keys: Sequence[str]) -> list[str]:
         p = self.prefix
@@ -474,6 +588,9 @@ class MooncakeStore(Storage):
         names = self._k(keys)
         heads = [encode_header(k, v) for k, v in zip(keys, views, strict=True)]
         exists = client.batch_is_exist(names)
+        self._note(exists)
+        if self._c.down:
+            raise self._error("write", f"no page of {len(keys)} stored: {error_name(min(exists))}")
         new = [i for i, e in enumerate(exists) if e != 1]
         old = [i for i, e in enumerate(exists) if e == 1]
         codes: list[int] = [0] * len(keys)
@@ -529,6 +646,7 @@ class MooncakeStore(Storage):
 
     def _raise_for(self, codes: list[int]) -> None:
         """Nothing when every page was stored; else the per-page truth (F34)."""
+        self._note(codes)
         stored = [c == 0 for c in codes]
         if all(stored):
             return
@@ -548,12 +666,12 @@ class MooncakeStore(Storage):
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        self._check_open()
-        records: list[bytes] = await anyio.to_thread.run_sync(self._get_sync, self._k(keys))
+        records: list[bytes] = await self._waited(self._get_sync, self._k(keys))
         return [decode(k, r if r else None) for k, r in zip(keys, records, strict=True)]
 
     def _get_sync(self, names: list[str]) -> list[bytes]:
         codes = self._client.batch_is_exist(names)
+        self._note(codes)
         bad = [c for c in codes if c < 0]
         if bad:
             raise self._error("read", error_name(bad[0]))
@@ -569,8 +687,7 @@ class MooncakeStore(Storage):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
             return 0
-        self._check_open()
-        return await anyio.to_thread.run_sync(self._get_into_sync, list(keys), list(dest))
+        return await self._waited(self._get_into_sync, list(keys), list(dest))
 
     def _get_into_sync(self, keys: list[str], dest: list[memoryview]) -> int:
         import numpy as np
@@ -596,6 +713,7 @@ class MooncakeStore(Storage):
                     off += h + o.nbytes
                 sizes.append([h, o.nbytes])
             codes = self._client.batch_get_into_multi_buffers(self._k(keys), bufs, sizes)
+            self._note(codes)
             view: memoryview = arena.buf.data
             for i, (key, o, h, c) in enumerate(zip(keys, outs, hlens, codes, strict=True)):
                 if c < 0:  # missing, another size (a failed transfer), or the master is gone
@@ -616,7 +734,7 @@ class MooncakeStore(Storage):
     def _in_registered(self, addr: int, size: int, view: memoryview) -> bool:
         """Whether ``size`` bytes at ``addr`` lie in registered memory; registers the
         whole buffer ``view`` was taken from when it is a NumPy array (a host pool)."""
-        with self._lock:
+        with self._c.lock:
             if self._registered(addr, size):
                 return True
             obj: Any = view.obj
@@ -628,7 +746,7 @@ class MooncakeStore(Storage):
         """One ``batch_is_exist``; the record itself is checked on read."""
         if not keys:
             return 0
-        codes: list[int] = await self._abandonable("lookup", self._client.batch_is_exist, self._k(keys))
+        codes: list[int] = await self._abandonable("lookup", self._exists_sync, self._k(keys))
         n = 0
         for c in codes:
             if c == 1:
@@ -638,6 +756,11 @@ class MooncakeStore(Storage):
                 raise self._error("lookup", error_name(int(c)))
             break
         return n
+
+    def _exists_sync(self, names: list[str]) -> list[int]:
+        codes: list[int] = self._client.batch_is_exist(names)
+        self._note(codes)
+        return codes
 
     # --- showing ------------------------------------------------------------------------
 

@@ -118,6 +118,12 @@ class MooncakeServer:
         return [p.pid for p in (self.master, self.memory) if p is not None and p.poll() is None]
 
     def stop(self) -> None:
+        """Close this process's idle clients of this master (while it still answers), then
+        stop the memory server and the master."""
+        from kvoffload.storage.mooncake import close_clients
+
+        if self.master is not None:
+            close_clients(f"127.0.0.1:{self.port}")
         for attr in ("memory", "master"):
             proc = getattr(self, attr)
             setattr(self, attr, None)
