@@ -27,7 +27,7 @@ option                   default              meaning
                                               (no etcd, no HTTP metadata server)
 ``replicas``             ``1``                memory replicas of each page
 ``timeout_s``            ``5``                bound of one master RPC (``MC_RPC_TIMEOUT_MS``) and of
-                                              opening; an abandoned write waits at most 3x this
+                                              opening; a call is abandoned after 3x this
 ``verify``               ``1``                check each page's checksum on read (``0``: header only)
 =======================  ===================  ======================================================
 
@@ -43,10 +43,8 @@ call timed out is abandoned here (so nothing hangs) while Mooncake may still be 
 the host page, which the pool may hand to another copy; an upsert that replaces a key
 may write where a reader is reading; a segment's memory may be corrupt. The checksum,
 computed before the transfer and checked after it, turns each of these into a miss
-(FAILURES F38), never into wrong KV. Measured cost (``benchmarks/bench_storage.py``):
-writes none to speak of; reads of a local segment (a memcpy) pay the hash, which is
-about a third of the copy on this machine; over a network the transfer dominates.
-``verify=0`` keeps the header checks (key, length) and skips the hash.
+(FAILURES F38), never into wrong KV. ``verify=0`` keeps the header checks (key,
+length) and skips the hash (XXH3-64: tens of GB/s, small beside a transfer).
 
 **Writes** go from the host pool's memory (registered with Mooncake once per pool):
 ``batch_put_from_multi_buffers`` sends each record as its header (from a small
@@ -55,16 +53,26 @@ registered arena) and the page itself, no copy. Keys already stored are replaced
 writer's heals on the next write of its key. Mooncake answers per key, so a batch
 that is stored in part raises :class:`~kvoffload.errors.PartialWriteError` (``stored``:
 one flag per page), one stored not at all a plain :class:`~kvoffload.StorageError`.
-**Reads** (``get_into``) land in the host pages with ``batch_get_into_multi_buffers``
-(headers to the arena, pages in place); ``exists_prefix`` is one ``batch_is_exist``.
+**Reads** (``get_into``) bring each record into a registered arena with
+``batch_get_into`` (one transfer per page: Mooncake moves every buffer of a
+multi-buffer call as a transfer of its own, and a header's cost more than a memcpy of
+the page), check it there and only then copy the page into its host page, so bytes
+that fail never touch the pool; ``exists_prefix`` is one ``batch_is_exist``.
 
 **Threads and time.** Every client call runs on a worker thread, never on the event
 loop. Master RPCs are bounded by ``timeout_s`` (Mooncake's ``MC_RPC_TIMEOUT_MS``, set
-for the process by the first store opened unless already set). A write or an existence
-check that has not returned after 3x ``timeout_s`` is abandoned (a ``StorageError``); a
-read is waited for, since its thread writes into the caller's buffers. Opening checks
-that the master answers at all (a TCP connect bounded by ``timeout_s``) before
-Mooncake's setup, so a master that is not there is a ``StorageError`` naming it at once.
+for the process by the first store opened unless already set). A call that has not
+returned after 3x ``timeout_s`` is abandoned (a ``StorageError``): an abandoned read's
+thread copies nothing into the caller's buffers. Opening checks that the master
+answers at all (a TCP connect bounded by ``timeout_s``) before Mooncake's setup, so a
+master that is not there is a ``StorageError`` naming it at once; while the master is
+taken as down (Mooncake said RPC_FAIL), each call checks with a TCP connect first and
+fails at once, instead of waiting out Mooncake's reconnects (about 4 s each).
+
+**One client per process** for each master and client settings, shared by its stores:
+Mooncake's close joins its threads while holding the interpreter's lock (about a
+second), so ``aclose`` closes the store, not the client; :func:`close_clients` closes
+the clients no store uses, and runs at exit.
 
 **Network.** With ``P2PHANDSHAKE`` no metadata server runs. Mooncake 0.3.13's client
 listens on the wildcard address for its handshake and TCP transport whatever
@@ -78,6 +86,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import itertools
 import os
 import re
 import socket
@@ -243,6 +252,21 @@ class _Arena:
         self.buf = buf
         self.ptr = int(buf.ctypes.data)
         self.size = int(buf.nbytes)
+
+
+class _Gate:
+    """Whether a read's thread may still copy into the caller's buffers (closed when the
+    caller gave up on it)."""
+
+    __slots__ = ("closed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:  # waits for a copy under way (a memcpy)
+            self.closed = True
 
 
 class _Client:
@@ -519,11 +543,6 @@ class MooncakeStore(Storage):
         assert scope.cancelled_caught
         raise StorageError(f"mooncake storage at {self.master}: {what} did not return within {bound:g} s")
 
-    async def _waited(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """``fn(*args)`` on a worker thread, waited for (it writes into the caller's memory)."""
-        self._check_open()
-        return await anyio.to_thread.run_sync(self._guarded, fn, *args)
-
     def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
         """On the worker thread: count the call as running, and while the master is taken
         as down, check with a TCP connect that it listens again before calling Mooncake."""
@@ -666,7 +685,7 @@ class MooncakeStore(Storage):
     async def get(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        records: list[bytes] = await self._waited(self._get_sync, self._k(keys))
+        records: list[bytes] = await self._abandonable("read", self._get_sync, self._k(keys))
         return [decode(k, r if r else None) for k, r in zip(keys, records, strict=True)]
 
     def _get_sync(self, names: list[str]) -> list[bytes]:
@@ -680,67 +699,50 @@ class MooncakeStore(Storage):
         return [next(got) if c == 1 else b"" for c in codes]
 
     async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
-        """Each page straight into its buffer (headers to a registered arena), then the
-        record checked: key, length and (``verify``) checksum. Waited for, never
-        abandoned: the thread writes into ``dest``."""
+        """Each record into a registered arena (``batch_get_into``, one transfer per
+        page), checked there - key, length and (``verify``) checksum - and only then its
+        page copied into ``dest``: bytes that fail never touch the host pages. A read
+        that has not returned after 3x ``timeout_s`` is abandoned (a StorageError): its
+        thread then copies nothing into ``dest``."""
         if len(keys) != len(dest):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
             return 0
-        return await self._waited(self._get_into_sync, list(keys), list(dest))
+        gate = _Gate()
+        try:
+            return await self._abandonable("read", self._get_into_sync, list(keys), list(dest), gate)
+        except StorageError:
+            gate.close()  # the thread may still run: from now on it copies nothing into dest
+            raise
 
-    def _get_into_sync(self, keys: list[str], dest: list[memoryview]) -> int:
-        import numpy as np
-
+    def _get_into_sync(self, keys: list[str], dest: list[memoryview], gate: _Gate) -> int:
         outs = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dest]
-        addrs = [int(np.frombuffer(o, dtype=np.uint8).ctypes.data) for o in outs]
-        direct = all(self._in_registered(a, o.nbytes, o) for a, o in zip(addrs, outs, strict=True))
         hlens = [header_size(k) for k in keys]
-        staged = 0 if direct else sum(o.nbytes for o in outs)
-        with self._arena(sum(hlens) + staged) as arena:
-            bufs: list[list[int]] = []
-            sizes: list[list[int]] = []
-            off = 0
-            places: list[tuple[int, int]] = []  # (header offset, staged payload offset or -1)
-            for a, o, h in zip(addrs, outs, hlens, strict=True):
-                if direct:
-                    bufs.append([arena.ptr + off, a])
-                    places.append((off, -1))
-                    off += h
-                else:
-                    bufs.append([arena.ptr + off, arena.ptr + off + h])
-                    places.append((off, off + h))
-                    off += h + o.nbytes
-                sizes.append([h, o.nbytes])
-            codes = self._client.batch_get_into_multi_buffers(self._k(keys), bufs, sizes)
+        sizes = [h + o.nbytes for h, o in zip(hlens, outs, strict=True)]
+        with self._arena(sum(sizes)) as arena:
+            offs = list(itertools.accumulate(sizes, initial=0))[:-1]
+            codes = self._client.batch_get_into(self._k(keys), [arena.ptr + o for o in offs], sizes)
             self._note(codes)
             view: memoryview = arena.buf.data
-            for i, (key, o, h, c) in enumerate(zip(keys, outs, hlens, codes, strict=True)):
+            n = 0
+            for key, o, h, c, off in zip(keys, outs, hlens, codes, offs, strict=True):
                 if c < 0:  # missing, another size (a failed transfer), or the master is gone
-                    if c in _UNREACHABLE and i == 0:
+                    if c in _UNREACHABLE and n == 0:
                         raise self._error("read", error_name(int(c)))
-                    return i
-                hoff, poff = places[i]
-                found = payload_offset(key, view[hoff : hoff + h], int(c))
+                    break
+                found = payload_offset(key, view[off : off + h], int(c))
                 if found is None or found.length != o.nbytes:
-                    return i
-                payload = view[poff : poff + o.nbytes] if poff >= 0 else o
+                    break
+                payload = view[off + h : off + h + o.nbytes]
                 if self.verify and not intact(found, payload):
-                    return i
-                if poff >= 0:
-                    o[:] = payload
-        return len(keys)
-
-    def _in_registered(self, addr: int, size: int, view: memoryview) -> bool:
-        """Whether ``size`` bytes at ``addr`` lie in registered memory; registers the
-        whole buffer ``view`` was taken from when it is a NumPy array (a host pool)."""
-        with self._c.lock:
-            if self._registered(addr, size):
-                return True
-            obj: Any = view.obj
-            if obj is not None and type(obj).__module__ == "numpy" and hasattr(obj, "ctypes"):
-                return self._register(int(obj.ctypes.data), int(obj.nbytes)) and self._registered(addr, size)
-        return False
+                    break
+                n += 1
+            with gate.lock:
+                if gate.closed:
+                    return 0
+                for o, off, h in zip(outs[:n], offs, hlens, strict=False):
+                    o[:] = view[off + h : off + h + o.nbytes]
+        return n
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         """One ``batch_is_exist``; the record itself is checked on read."""

@@ -178,9 +178,10 @@ async def store(mooncake_url: str) -> AsyncIterator[MooncakeStore]:
 
 
 @pytest.mark.asyncio
-async def test_writes_and_reads_use_the_host_pools_own_memory(store: MooncakeStore) -> None:
+async def test_writes_use_the_host_pools_own_memory_and_reads_land_in_its_pages(store: MooncakeStore) -> None:
     """put_pages hands Mooncake the address of each host page (the pool registered once,
-    no copy) and get_into reads into the pool's pages in place; the bytes round-trip."""
+    no copy of a page); get_into reads each record in one transfer into a registered
+    arena and copies the checked page into the pool's pages; the bytes round-trip."""
 
     pool = pool_of(6, 4096)
     base, size = pool.tensor.data_ptr(), 4096
@@ -205,8 +206,9 @@ async def _zero_copy(store: MooncakeStore, spy: Spy, pool: HostPool, base: int, 
     want = [pool_page(pool, p) for p in (4, 1, 2)]
     pool.tensor[3:6].zero_()
     assert await store.get_into(keys, load_buffers(pool, [3, 5, 0])) == 3
-    gets = [args for name, args in spy.calls if name == "batch_get_into_multi_buffers"]
-    assert [ptrs[1] for ptrs in gets[-1][1]] == [base + p * size for p in (3, 5, 0)]
+    gets = [args for name, args in spy.calls if name == "batch_get_into"]
+    assert len(gets) == 1 and all(not base <= p < base + 6 * size for p in gets[0][1])  # the arena
+    assert gets[0][2] == [size + len(encode_header(k, b"")) for k in keys]  # one record each
     assert [pool_page(pool, p) for p in (3, 5, 0)] == want
     assert await store.get(keys) == want
 
@@ -268,12 +270,53 @@ async def test_a_corrupt_or_foreign_record_reads_as_missing_and_a_rewrite_heals_
     assert raw.upsert_parts(names[1], header0 + pages[0]) == 0
     assert raw.upsert_parts(names[2], bytes(flipped)) == 0
     assert await store.get(keys) == [None, None, None]
-    bufs = [memoryview(bytearray(len(p))) for p in pages]
+    bufs = [memoryview(bytearray(b"\x55" * len(p))) for p in pages]
     assert await store.get_into(keys, bufs) == 0
     assert await store.get_into(keys[2:], bufs[2:]) == 0
+    assert all(bytes(b) == b"\x55" * len(b) for b in bufs)  # bytes that failed never landed
     await store.put(keys, pages)
     assert await store.get(keys) == pages
     assert await store.get_into(keys, bufs) == 3 and [bytes(b) for b in bufs] == pages
+
+
+@pytest.mark.asyncio
+async def test_a_read_that_is_abandoned_copies_nothing_into_the_host_pages(store: MooncakeStore) -> None:
+    """A read whose client call outlives its bound is abandoned with a StorageError, and
+    when the call does return, nothing is copied into the buffers (the pool may have
+    handed them to another load by then)."""
+    keys, pages = keys_of(2), pages_of(2)
+    await store.put(keys, pages)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Slow(Spy):
+        def __getattr__(self, name: str) -> Any:
+            fn = getattr(self.client, name)
+            if name != "batch_get_into":
+                return fn
+
+            def slow(*args: Any) -> Any:
+                entered.set()
+                release.wait(HANG_S)
+                return fn(*args)
+
+            return slow
+
+    spy = Slow(store._client)
+    store._client = spy
+    store.timeout_s = 0.05  # the bound of this store's calls: 3x this
+    bufs = [memoryview(bytearray(len(p))) for p in pages]
+    try:
+        with pytest.raises(StorageError, match="did not return"):
+            await store.get_into(keys, bufs)
+        assert entered.is_set()
+    finally:
+        release.set()
+        store._client = spy.client
+    with anyio.fail_after(HANG_S):
+        while store._c.busy:  # the abandoned call returns (a condition, bounded)
+            await anyio.sleep(0.01)
+    assert [bytes(b) for b in bufs] == [bytes(len(p)) for p in pages]
 
 
 @pytest.mark.asyncio
