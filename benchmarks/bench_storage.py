@@ -18,7 +18,8 @@ batches of ``--batch`` pages (one chunk each):
 - ``mooncake``: ``MooncakeStore.put_pages`` (record header + XXH3-64 from a registered
   arena, the page from the registered pool, one ``batch_is_exist`` and one
   ``batch_put_from_multi_buffers`` per batch) vs ``raw mooncake``: ``batch_put_from`` of
-  the raw pages from the same registered pool on the same client and master; then reads
+  the raw pages from the same registered pool on the same client and master (one
+  worker-thread hop per batch on both sides); then reads
   of what each wrote into the pool's pages: ``get_into`` (``batch_get_into_multi_buffers``,
   header and checksum checked) vs ``batch_get_into``. The master is
   KVOFFLOAD_MOONCAKE_URL (scripts/mooncake.sh), or a ``mooncake_master`` and a memory
@@ -251,15 +252,17 @@ async def time_reads(store: Storage, pool: HostPool, batches: Batches) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_mooncake(client: object, op: str, pool: HostPool, batches: Batches) -> float:
-    """``batch_put_from`` / ``batch_get_into`` of the raw pages from / into the pool."""
+async def raw_mooncake(client: object, op: str, pool: HostPool, batches: Batches) -> float:
+    """``batch_put_from`` / ``batch_get_into`` of the raw pages from / into the pool, one
+    worker-thread hop per batch (as any store that keeps the event loop free)."""
     base = pool.tensor.data_ptr()
     size = pool.tensor[0].numel() * pool.tensor.element_size()
     call = getattr(client, "batch_put_from" if op == "write" else "batch_get_into")
+    want = 0 if op == "write" else size
     t0 = time.perf_counter()
     for keys, pages in batches:
-        codes = call(["raw:" + k for k in keys], [base + p * size for p in pages], [size] * len(pages))
-        want = 0 if op == "write" else size
+        names, ptrs = ["raw:" + k for k in keys], [base + p * size for p in pages]
+        codes = await anyio.to_thread.run_sync(call, names, ptrs, [size] * len(pages))
         assert all(c == want for c in codes), f"raw mooncake {op}: {codes}"
     return time.perf_counter() - t0
 
@@ -379,7 +382,7 @@ async def main() -> None:
                 client = mc_store._client
 
                 def raw(op: str, client: object = client) -> Callable[[Batches], Awaitable[float]]:
-                    return lambda b: anyio.to_thread.run_sync(_raw_mooncake, client, op, pool, b)
+                    return lambda b: raw_mooncake(client, op, pool, b)
 
                 mc = [("mooncake", lambda b: time_store(mc_store, pool, b)), ("raw mooncake", raw("write"))]
                 for name, run in mc[rnd % 2 :] + mc[: rnd % 2]:

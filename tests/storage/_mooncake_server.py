@@ -6,7 +6,7 @@ clients that wrote them, as in a deployment with memory nodes).
 The binaries come with the ``mooncake-transfer-engine-non-cuda`` wheel (the
 ``kvoffload[mooncake]`` extra); ``MOONCAKE_BIN`` is the folder they are in, or ``None``
 when the wheel (or Debian's ``libibverbs1``) is missing, with ``MOONCAKE_MISSING`` the
-reason.
+reason (the tests then skip, or fail under ``KVOFFLOAD_REQUIRE_MOONCAKE=1``: conftest.py).
 """
 
 from __future__ import annotations

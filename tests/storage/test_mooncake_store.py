@@ -386,3 +386,85 @@ async def test_every_connection_stays_on_loopback(own_mooncake: MooncakeServer) 
         assert {c.laddr.ip for c in conns} | {c.raddr.ip for c in conns} <= loopback, conns
     finally:
         await s.aclose()
+
+
+# --- CI: the guard and the script ---------------------------------------------------------
+
+
+def test_every_test_file_on_the_mooncake_tier_names_its_ci_guard() -> None:
+    """A test file that uses the Mooncake tier names KVOFFLOAD_REQUIRE_MOONCAKE (its
+    tests go through the fixtures that honour it), so none can skip silently in CI."""
+    import re
+
+    uses = re.compile(r"mooncake://|MooncakeStore|mooncake_url|own_mooncake|storage\.mooncake|mooncake_store")
+    files = [p for p in (ROOT / "tests").rglob("*.py") if uses.search(p.read_text())]
+    assert len(files) >= 5
+    missing = [str(p.relative_to(ROOT)) for p in files if "KVOFFLOAD_REQUIRE_MOONCAKE" not in p.read_text()]
+    assert not missing, f"these use the mooncake tier without naming KVOFFLOAD_REQUIRE_MOONCAKE: {missing}"
+    assert "export KVOFFLOAD_REQUIRE_MOONCAKE=1" in (ROOT / "scripts/test.sh").read_text()
+
+
+def test_the_ci_guard_turns_a_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import mooncake_unavailable
+
+    monkeypatch.delenv("KVOFFLOAD_REQUIRE_MOONCAKE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no master"):
+        mooncake_unavailable("no master")
+    monkeypatch.setenv("KVOFFLOAD_REQUIRE_MOONCAKE", "1")
+    with pytest.raises(pytest.fail.Exception, match="KVOFFLOAD_REQUIRE_MOONCAKE=1 but no master"):
+        mooncake_unavailable("no master")
+
+
+@pytest.mark.asyncio
+async def test_scripts_mooncake_sh_serves_on_loopback_only_and_stops_clean(mooncake_url: str) -> None:
+    """What CI runs: ``scripts/mooncake.sh start`` brings up a master and a memory
+    server whose every listening socket but the client's transfer ports (wildcard in
+    Mooncake 0.3.13, see docs/storage.md) is on 127.0.0.1, with no HTTP metadata server;
+    a store writes and reads through it; ``stop`` ends both and removes its directory."""
+    import os
+    import shlex
+
+    import psutil
+    from _mooncake_server import MOONCAKE_BIN
+
+    del mooncake_url  # the wheel must be there (the fixture skips or fails otherwise)
+    env = {**os.environ, "MOONCAKE_BIN": str(MOONCAKE_BIN)}
+    out = subprocess.run(
+        ["bash", "scripts/mooncake.sh", "start"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    exports = dict(kv.split("=", 1) for kv in shlex.split(out.stdout.strip().removeprefix("export ")))
+    url, folder = exports["KVOFFLOAD_MOONCAKE_URL"], Path(exports["KVOFFLOAD_MOONCAKE_DIR"])
+    try:
+        master = psutil.Process(int((folder / "master.pid").read_text()))
+        memory = psutil.Process(int((folder / "memory.pid").read_text()))
+        listening = [c for c in master.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
+        assert "enable_http_metadata_server" not in " ".join(master.cmdline())
+        assert "--host=127.0.0.1" in memory.cmdline()
+        s = mooncake_store(url)
+        try:
+            await s.put(keys_of(2), pages_of(2))
+            assert await s.get(keys_of(2)) == pages_of(2)
+        finally:
+            await s.aclose()
+    finally:
+        from kvoffload.storage.mooncake import close_clients
+
+        close_clients(url.removeprefix("mooncake://"))
+        stop = subprocess.run(
+            ["bash", "scripts/mooncake.sh", "stop"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**env, **exports},
+        )
+    assert stop.returncode == 0, stop.stderr
+    assert not folder.exists()
+    assert not master.is_running() and not memory.is_running()
