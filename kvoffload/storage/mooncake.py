@@ -480,16 +480,31 @@ class MooncakeStore(Storage):
         return i >= 0 and self._c.regions[i][0] <= start and start + size <= self._c.regions[i][1]
 
     def _register(self, start: int, size: int) -> bool:
-        """Register ``size`` bytes at ``start`` with the client (once). Lock held."""
+        """Register ``size`` bytes at ``start`` with the client (once). Lock held. The
+        regions of host pools that are gone and overlap it are unregistered first (their
+        memory may have been handed to this buffer)."""
+        end = start + size
+        self._drop_dead_pools(start, end)
         if self._registered(start, size):
             return True
-        end = start + size
         if any(a < end and start < b for a, b in self._c.regions):
-            return False  # overlaps a region registered before: not registered again
+            return False  # overlaps a live buffer registered before: not registered again
         if self._c.client.register_buffer(start, size) != 0:
             return False
         bisect.insort(self._c.regions, (start, end))
         return True
+
+    def _drop_dead_pools(self, start: int, end: int) -> None:
+        """Unregister the regions of dead host pools that overlap [start, end). Lock held."""
+        c = self._c
+        for pid, (ref, base, _page) in list(c.pools.items()):
+            if ref() is not None:
+                continue
+            region = next(((a, b) for a, b in c.regions if a == base), None)
+            del c.pools[pid]
+            if region is not None and region[0] < end and start < region[1]:
+                c.client.unregister_buffer(region[0])
+                c.regions.remove(region)
 
     def _pool_base(self, pool: HostPool) -> tuple[int, int]:
         """(address, bytes per page) of ``pool``'s memory, registered once per pool."""

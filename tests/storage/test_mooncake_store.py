@@ -214,6 +214,34 @@ async def _zero_copy(store: MooncakeStore, spy: Spy, pool: HostPool, base: int, 
 
 
 @pytest.mark.asyncio
+async def test_a_pool_made_where_a_dead_one_was_is_registered_afresh(store: MooncakeStore) -> None:
+    """The process's client outlives managers: a host pool made after another was freed
+    (often at the same address) is registered afresh - the dead pool's registration is
+    dropped - and its pages are written and read back, never refused as an overlap."""
+    import gc
+
+    spy = Spy(store._client)
+    store._client = spy
+    try:
+        seen = set()
+        for salt in range(3):
+            pool = pool_of(4, 1 << 16)
+            seen.add(pool.tensor.data_ptr())
+            keys = keys_of(4, salt=50 + salt)
+            await store.put_pages(keys, pool, [0, 1, 2, 3])
+            want = [pool_page(pool, p) for p in range(4)]
+            assert await store.get(keys) == want
+            del pool
+            gc.collect()
+        dead = [base for ref, base, _ in store._c.pools.values() if ref() is None]
+        assert len(dead) <= 1  # only the last pool, freed after the last registration
+        if len(seen) < 3:  # an address was reused: its old registration went first
+            assert [n for n, _ in spy.calls].count("unregister_buffer") >= 1
+    finally:
+        store._client = spy.client
+
+
+@pytest.mark.asyncio
 async def test_a_batch_stored_in_part_says_which_pages(tmp_path: Path) -> None:
     """F34: a memory server with room for two of three pages of a batch: the put raises
     PartialWriteError whose flags say which pages Mooncake stored; those read back, the
