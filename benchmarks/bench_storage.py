@@ -15,10 +15,9 @@ batches of ``--batch`` pages (one chunk each):
   batch) vs ``plain redis-py``: a redis-py pipeline of SETs of the raw pages.
 - ``write-behind``: the same pages through an OffloadManager (sim copies) to each
   store, timed from delivery to the last write.
-- ``mooncake``: ``MooncakeStore.put_pages`` (record header + XXH3-64 from a registered
-  arena, the page from the registered pool, one ``batch_is_exist`` and one
-  ``batch_put_from_multi_buffers`` per batch) vs ``raw mooncake``: ``batch_put_from`` of
-  the raw pages from the same registered pool on the same client and master (one
+- ``mooncake``: ``MooncakeStore.put_pages`` (record header + XXH3-64 and the page staged
+  in a registered arena, one ``batch_upsert_from`` per batch) vs ``raw mooncake``:
+  ``batch_put_from`` of the raw pages from the registered pool on the same client and master (one
   worker-thread hop per batch on both sides); then reads
   of what each wrote into the pool's pages: ``get_into`` (``batch_get_into_multi_buffers``,
   header and checksum checked) vs ``batch_get_into``. The master is
