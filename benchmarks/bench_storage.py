@@ -314,7 +314,7 @@ async def main() -> None:
         from kvoffload.storage.mooncake import MooncakeStore
 
         if not ap_mc:
-            own_mc = OwnMooncake(max(1024, 4 * n * page_bytes * 2 >> 20))
+            own_mc = OwnMooncake(256 + ((args.rounds + 1) * 2 * n * page_bytes >> 20))  # every round kept
             ap_mc = own_mc.url
         mc_store = MooncakeStore(f"{ap_mc}?prefix=bench:&global_segment_size=0")
         warm = make_batches(batch, batch, salt=0)
