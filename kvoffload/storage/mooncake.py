@@ -18,8 +18,8 @@ option                   default              meaning
                                               pages live in other clients' segments, e.g. a
                                               ``mooncake_client`` memory server, and outlive this
                                               process)
-``local_buffer_size``    ``16MiB``            the client's staging buffer (``get``; not the zero-copy
-                                              path)
+``local_buffer_size``    ``16MiB``            the client's staging buffer (``get`` only; writes and
+                                              ``get_into`` use registered arenas)
 ``protocol``             ``tcp``              transfer protocol: ``tcp`` or ``rdma``
 ``device``               (none)               RDMA device names (``protocol=rdma``)
 ``local_hostname``       (route to master)    the address this client's transfer engine advertises
