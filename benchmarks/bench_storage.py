@@ -15,10 +15,21 @@ batches of ``--batch`` pages (one chunk each):
   batch) vs ``plain redis-py``: a redis-py pipeline of SETs of the raw pages.
 - ``write-behind``: the same pages through an OffloadManager (sim copies) to each
   store, timed from delivery to the last write.
+- ``mooncake``: ``MooncakeStore.put_pages`` (record header + XXH3-64 and the page staged
+  in a registered arena, one ``batch_upsert_from`` per batch) vs ``raw mooncake``:
+  ``batch_put_from`` of the raw pages from the registered pool on the same client and master (one
+  worker-thread hop per batch on both sides); then reads
+  of what each wrote into the pool's pages: ``get_into`` (``batch_get_into_multi_buffers``,
+  header and checksum checked) vs ``batch_get_into``. The master is
+  KVOFFLOAD_MOONCAKE_URL (scripts/mooncake.sh), or a ``mooncake_master`` and a memory
+  server this script starts on loopback ports (its rows are left out without the
+  ``kvoffload[mooncake]`` wheel).
+- ``read``: ``get_into`` of each round's pages into the pool (file, redis, mooncake).
 
 Every round runs every row once, in an order rotated each round; a ratio is computed
 per round (plain time / kvoffload time) and the median of those is printed, with the
-targets of issue 11 (file >= 0.85, redis >= 0.92). Redis is KVOFFLOAD_REDIS_URL, or a
+targets of issue 11 (file >= 0.85, redis >= 0.92) and issue 23 (mooncake write and read
+>= 0.9 of raw). Redis is KVOFFLOAD_REDIS_URL, or a
 redis-server this script starts on a loopback port (its rows are left out if neither
 is available). The checksum table times each candidate on one page of this run.
 """
@@ -53,7 +64,7 @@ from kvoffload.storage.file import FileStorage
 from kvoffload.storage.memory import MemoryStorage
 from kvoffload.testing import SimBackend
 
-TARGETS = {"file": 0.85, "redis": 0.92}
+TARGETS = {"file": 0.85, "redis": 0.92, "mooncake": 0.9}
 
 Batches = list[tuple[list[str], list[int]]]
 
@@ -182,6 +193,79 @@ class OwnRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class OwnMooncake:
+    """A mooncake_master and a memory server (``memory_mb``) on free loopback ports."""
+
+    def __init__(self, memory_mb: int) -> None:
+        import mooncake
+
+        bin_dir = Path(next(iter(mooncake.__path__)))
+        ports = []
+        for _ in range(3):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        self.port, metrics, client = ports
+        self.dir = tempfile.mkdtemp(prefix="kvo-bench-mooncake-")
+        master = [str(bin_dir / "mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={self.port}"]
+        master += ["--metrics_host=127.0.0.1", f"--metrics_port={metrics}", "--default_kv_lease_ttl=200"]
+        memory = [str(bin_dir / "mooncake_client"), "--host=127.0.0.1", "--metadata_server=P2PHANDSHAKE"]
+        memory += [f"--master_server_address=127.0.0.1:{self.port}", f"--port={client}", "--protocol=tcp"]
+        memory += [f"--global_segment_size={memory_mb << 20}"]
+        log = open(Path(self.dir) / "log", "wb")  # noqa: SIM115 - the children hold it
+        self.procs = [subprocess.Popen(master, stdout=log, stderr=log)]
+        self._wait(self.port)
+        self.procs.append(subprocess.Popen(memory, stdout=log, stderr=log))
+        self._wait(client)
+        log.close()
+        self.url = f"mooncake://127.0.0.1:{self.port}"
+
+    def _wait(self, port: int) -> None:
+        for _ in range(150):  # bounded: ~15 s
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.close()
+        raise RuntimeError("mooncake did not start: " + (Path(self.dir) / "log").read_text()[-2000:])
+
+    def close(self) -> None:
+        from kvoffload.storage.mooncake import close_clients
+
+        close_clients()
+        for p in reversed(self.procs):
+            p.terminate()
+            p.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def time_reads(store: Storage, pool: HostPool, batches: Batches) -> float:
+    """``get_into`` of each batch's keys into its pool pages (what a load does)."""
+    from kvoffload.drivers._base import load_buffers
+
+    t0 = time.perf_counter()
+    for keys, pages in batches:
+        n = await store.get_into(keys, load_buffers(pool, pages))
+        assert n == len(keys), f"{store!r}: read {n} of {len(keys)}"
+    return time.perf_counter() - t0
+
+
+async def raw_mooncake(client: object, op: str, pool: HostPool, batches: Batches) -> float:
+    """``batch_put_from`` / ``batch_get_into`` of the raw pages from / into the pool, one
+    worker-thread hop per batch (as any store that keeps the event loop free)."""
+    base = pool.tensor.data_ptr()
+    size = pool.tensor[0].numel() * pool.tensor.element_size()
+    call = getattr(client, "batch_put_from" if op == "write" else "batch_get_into")
+    want = 0 if op == "write" else size
+    t0 = time.perf_counter()
+    for keys, pages in batches:
+        names, ptrs = ["raw:" + k for k in keys], [base + p * size for p in pages]
+        codes = await anyio.to_thread.run_sync(call, names, ptrs, [size] * len(pages))
+        assert all(c == want for c in codes), f"raw mooncake {op}: {codes}"
+    return time.perf_counter() - t0
+
+
 def checksum_table(page: memoryview) -> list[tuple[str, float]]:
     """(name, GB/s) of each checksum candidate on ``page``, best of several runs."""
     import xxhash
@@ -220,6 +304,24 @@ async def main() -> None:
     base = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
     tmp = Path(tempfile.mkdtemp(prefix="kvo-bench-", dir=base))
     pool = make_pool(n, page_bytes)
+
+    ap_mc = os.environ.get("KVOFFLOAD_MOONCAKE_URL")
+    own_mc: OwnMooncake | None = None
+    mc_store = None
+    try:
+        import mooncake.store  # noqa: F401 - needs libibverbs1
+
+        from kvoffload.storage.mooncake import MooncakeStore
+
+        if not ap_mc:
+            own_mc = OwnMooncake(256 + ((args.rounds + 1) * 2 * n * page_bytes >> 20))  # every round kept
+            ap_mc = own_mc.url
+        mc_store = MooncakeStore(f"{ap_mc}?prefix=bench:&global_segment_size=0")
+        warm = make_batches(batch, batch, salt=0)
+        await time_store(mc_store, pool, warm)  # registers the pool with the client once
+        await time_reads(mc_store, pool, warm)
+    except ImportError:
+        ap_mc = None
 
     own: OwnRedis | None = None
     url = os.environ.get("KVOFFLOAD_REDIS_URL")
@@ -265,11 +367,42 @@ async def main() -> None:
                 if url:
                     flush(url)
                 results.setdefault(name, []).append(await run(batches))
+            reads: list[tuple[str, Callable[[Batches], Awaitable[float]]]] = []
+            fs = FileStorage(d / "kvo")  # what the "file" row just wrote
+            await time_store(fs, pool, batches)
+            reads.append(("file read", lambda b, fs=fs: time_reads(fs, pool, b)))
+            if url:
+                from kvoffload.storage.redis import RedisStorage
+
+                rs = RedisStorage(url, prefix="bench:")
+                await time_store(rs, pool, batches)
+                reads.append(("redis read", lambda b, rs=rs: time_reads(rs, pool, b)))
+            if mc_store is not None:  # writes and reads of the same pages, the raw calls beside
+                client = mc_store._client
+
+                def raw(op: str, client: object = client) -> Callable[[Batches], Awaitable[float]]:
+                    return lambda b: raw_mooncake(client, op, pool, b)
+
+                mc = [("mooncake", lambda b: time_store(mc_store, pool, b)), ("raw mooncake", raw("write"))]
+                for name, run in mc[rnd % 2 :] + mc[: rnd % 2]:
+                    results.setdefault(name, []).append(await run(batches))
+                reads += [
+                    ("mooncake read", lambda b: time_reads(mc_store, pool, b)),
+                    ("raw mooncake read", raw("read")),
+                ]
+            for name, run in reads[rnd % len(reads) :] + reads[: rnd % len(reads)]:
+                results.setdefault(name, []).append(await run(batches))
+            if url:
+                await rs.aclose()
             shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if own is not None:
             own.close()
+        if mc_store is not None:
+            await mc_store.aclose()
+        if own_mc is not None:
+            own_mc.close()
 
     mb = n * page_bytes / 1e6
     print(describe())
@@ -293,6 +426,19 @@ async def main() -> None:
         verdict = "ok" if ratio >= TARGETS[store] else "MISSED"
         spread = f"rounds {min(ratios):.2f}..{max(ratios):.2f}"
         print(f"  {store:<6} {ratio:.3f} of {plain} (target >= {TARGETS[store]:.2f}: {verdict}; {spread})")
+    for op, kvo_row, raw_row in (
+        ("write", "mooncake", "raw mooncake"),
+        ("read", "mooncake read", "raw mooncake read"),
+    ):
+        if kvo_row not in results:
+            print(f"ratio kvoffload/raw mooncake {op}: skipped (pip install 'kvoffload[mooncake]')")
+            continue
+        ratios = [r / k for r, k in zip(results[raw_row], results[kvo_row], strict=True)]
+        ratio = statistics.median(ratios)
+        verdict = "ok" if ratio >= TARGETS["mooncake"] else "MISSED"
+        target = TARGETS["mooncake"]
+        spread = f"rounds {min(ratios):.2f}..{max(ratios):.2f}"
+        print(f"ratio kvoffload/raw mooncake {op}: {ratio:.3f} (target >= {target:.2f}: {verdict}; {spread})")
     print(f"checksums on one {args.page_kib} KiB page:")
     for name, gbs in checksum_table(page_views(pool, [0])[0]):
         print(f"  {name:<26} {gbs:>7.2f} GB/s")

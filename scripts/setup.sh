@@ -13,6 +13,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/constraints
   # pyproject.toml accepts torch>=2.3 (what the user's engine brings); CI pins the CPU
   # build on this machine's disk through the constraints file (a plain `torch` would
   # pull a multi-GB CUDA build).
-  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
+  # mooncake: the Mooncake Store tier's client and master (CPU build; its import needs
+  # Debian's libibverbs1, which scripts/test.sh installs).
+  .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev,mooncake]"
   touch "$stamp"
 fi

@@ -19,6 +19,11 @@ export KVOFFLOAD_REQUIRE_REDIS=1  # the redis tests must run here, not skip
 echo "== prometheus"; eval "$(bash scripts/prometheus.sh start)"  # loopback; scrapes tests/metrics' runs
 trap 'bash scripts/prometheus.sh stop; bash scripts/redis.sh stop' EXIT
 export KVOFFLOAD_REQUIRE_PROMETHEUS=1  # the Prometheus scrape test must run here, not skip
+# Mooncake Store: master + memory server on loopback (mooncake.sh installs Debian's
+# libibverbs1 first when it is missing, as graphviz above); its tests must run, not skip.
+echo "== mooncake"; eval "$(bash scripts/mooncake.sh start)"
+trap 'bash scripts/mooncake.sh stop; bash scripts/prometheus.sh stop; bash scripts/redis.sh stop' EXIT
+export KVOFFLOAD_REQUIRE_MOONCAKE=1
 echo "== pytest"; python -m pytest -q "$@"
 # SGLang's real classes (a second environment, CPU only: scripts/setup_sglang.sh). The
 # integration tests run again there, where the real-class tests must run, not skip.

@@ -2,7 +2,8 @@
 
 ``resolve_storage`` takes ``None``, a name (``"memory"``), a directory path (a ``str``
 that looks like a path, a ``file://`` URL, or any ``os.PathLike``: the file store), a
-``redis://`` / ``rediss://`` / ``unix://`` URL (the redis store), or an instance.
+``redis://`` / ``rediss://`` / ``unix://`` URL (the redis store), a ``mooncake://HOST:PORT``
+URL (the Mooncake Store tier; HOST:PORT is its master), or an instance.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ STORAGES: dict[str, str] = {
     "memory": "kvoffload.storage.memory:MemoryStorage",
     "file": "kvoffload.storage.file:FileStorage",
     "redis": "kvoffload.storage.redis:RedisStorage",
+    "mooncake": "kvoffload.storage.mooncake:MooncakeStore",
 }
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -47,6 +49,10 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
             from kvoffload.storage.redis import RedisStorage
 
             return RedisStorage(storage)
+        if storage.startswith("mooncake://"):
+            from kvoffload.storage.mooncake import MooncakeStore
+
+            return MooncakeStore(storage)
         if storage.startswith("file://"):
             path = storage.removeprefix("file://")
         elif "://" not in storage and ("/" in storage or os.sep in storage or storage[:1] in (".", "~")):
@@ -60,5 +66,5 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
     shown = redact(storage) if isinstance(storage, str) else storage
     raise ConfigError(
         f"unknown storage {shown!r}; choose None, 'memory', a directory path (./name or /abs/path), "
-        "a redis:// URL, or pass a Storage instance"
+        "a redis:// URL, a mooncake://HOST:PORT URL, or pass a Storage instance"
     )

@@ -1,6 +1,7 @@
-"""Worker process for test_sharing: offload one request to Redis, print what it stored.
+"""Worker process for test_sharing (Redis) and test_mooncake_faults (a Mooncake master;
+KVOFFLOAD_REQUIRE_MOONCAKE is that test's guard): offload one request, print what it stored.
 
-Usage: python _share_worker.py REDIS_URL PREFIX. Prints one JSON line:
+Usage: python _share_worker.py REDIS_URL|MOONCAKE_URL PREFIX. Prints one JSON line:
 {"tokens": [...], "pages": [hex of each page's bytes], "stored": n}.
 """
 
@@ -25,7 +26,13 @@ TOKENS = list(range(500, 522))
 
 async def main(url: str, prefix: str) -> None:
     backend = SimBackend()
-    async with kvo.OffloadManager(CONFIG, backend=backend, storage=RedisStorage(url, prefix=prefix)) as mgr:
+    if url.startswith("mooncake://"):
+        from _storage_helpers import mooncake_store
+
+        storage = mooncake_store(url, prefix=prefix)  # lends no memory: the pages outlive this process
+    else:
+        storage = RedisStorage(url, prefix=prefix)
+    async with kvo.OffloadManager(CONFIG, backend=backend, storage=storage) as mgr:
         lc = mgr.admit("worker-a", TOKENS[:8])
         lc.extend(TOKENS[8:])
         lc.finish()

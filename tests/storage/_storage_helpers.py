@@ -71,7 +71,20 @@ def device_bytes(mgr: kvo.OffloadManager, pages: Sequence[int]) -> list[bytes]:
 
 
 #: rank_keys: one tensor-parallel rank's view of a file store (its keys suffixed).
-STORE_KINDS = ["memory", "file", "redis", "rank_keys"]
+#: mooncake: a Mooncake Store client (KVOFFLOAD_REQUIRE_MOONCAKE=1 in CI: it must not skip).
+STORE_KINDS = ["memory", "file", "redis", "rank_keys", "mooncake"]
+
+
+def mooncake_store(url: str, **options: object) -> Storage:
+    """A Mooncake client on ``url`` under a prefix of its own (an empty store), lending
+    no memory (pages live in the memory server)."""
+    import uuid
+
+    from kvoffload.storage.mooncake import MooncakeStore
+
+    opts: dict[str, object] = {"prefix": f"t{uuid.uuid4().hex[:12]}:", "global_segment_size": 0}
+    opts.update(options)
+    return MooncakeStore(url, **opts)  # type: ignore[arg-type]
 
 
 def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Storage:
@@ -89,6 +102,8 @@ def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         from kvoffload.storage.file import FileStorage
 
         return FileStorage(tmp_path / "pages")
+    if kind == "mooncake":
+        return mooncake_store(request.getfixturevalue("mooncake_url"))
     from kvoffload.storage.redis import RedisStorage
 
     return RedisStorage(request.getfixturevalue("clean_redis"))

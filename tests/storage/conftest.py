@@ -6,6 +6,12 @@ starts one on a loopback port via scripts/redis.sh). Without it, a private
 ``redis-server`` is started for the session when the binary is installed; without
 either, the redis tests are skipped with the reason, unless ``KVOFFLOAD_REQUIRE_REDIS=1``
 (set by CI), which turns the skip into a failure.
+
+Mooncake: ``KVOFFLOAD_MOONCAKE_URL`` names a master (with a memory server) that
+scripts/mooncake.sh started; without it, a private one is started for the session when
+the ``kvoffload[mooncake]`` wheel is installed; without either, the mooncake tests skip
+with the reason, unless ``KVOFFLOAD_REQUIRE_MOONCAKE=1`` (set by CI) makes that a failure.
+Each test's stores use a prefix of their own, so a shared master looks empty to them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
+from _mooncake_server import MOONCAKE_BIN, MOONCAKE_MISSING, MooncakeServer, env_url, listening
 from _redis_server import REDIS_SERVER, RedisServer, redis_ping
 from _storage_helpers import STORE_KINDS, make_store
 
@@ -27,6 +34,46 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("KVOFFLOAD_REQUIRE_REDIS") == "1":
         pytest.fail(f"KVOFFLOAD_REQUIRE_REDIS=1 but {reason}")
     pytest.skip(reason)
+
+
+def mooncake_unavailable(reason: str) -> None:
+    """Skip a mooncake test, or fail it under ``KVOFFLOAD_REQUIRE_MOONCAKE=1`` (CI)."""
+    if os.environ.get("KVOFFLOAD_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(f"KVOFFLOAD_REQUIRE_MOONCAKE=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def mooncake_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a Mooncake master on loopback with a memory server behind it."""
+    if MOONCAKE_BIN is None:
+        mooncake_unavailable(MOONCAKE_MISSING)
+    url = env_url()
+    if url:
+        port = urlsplit(url).port
+        if port is None or not listening(port):
+            mooncake_unavailable(f"no Mooncake master answers at KVOFFLOAD_MOONCAKE_URL={url}")
+        yield url
+        return
+    server = MooncakeServer(tmp_path_factory.mktemp("mooncake-session"))
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_mooncake(tmp_path: Path) -> Iterator[MooncakeServer]:
+    """A private master (and memory server) for this test only; it may kill the master."""
+    if MOONCAKE_BIN is None:
+        mooncake_unavailable(MOONCAKE_MISSING)
+    server = MooncakeServer(tmp_path / "mooncake")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Namespaces on a shared store (FAILURES F22): managers of different namespaces on one
-file root or one Redis never see each other's pages, through either driver; managers
+file root, one Redis or one Mooncake master never see each other's pages, through either driver; managers
 of one namespace share them; the keys are SGLang's seeded keys."""
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ def config(namespace: str | None) -> kvo.OffloadConfig:
     )
 
 
-@pytest.fixture(params=["file", "redis"])
+@pytest.fixture(params=["file", "redis", "mooncake"])
 def shared(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A store several managers open by name: a file root, or a flushed Redis."""
+    """A store several managers open by name: a file root, a flushed Redis, or a Mooncake
+    master under a prefix of this test's own (KVOFFLOAD_REQUIRE_MOONCAKE=1: never skipped
+    in CI)."""
     if request.param == "file":
         return str(tmp_path / "pages")
+    if request.param == "mooncake":
+        import uuid
+
+        master: str = request.getfixturevalue("mooncake_url")
+        return f"{master}?prefix=ns-{uuid.uuid4().hex[:12]}:&global_segment_size=0"
     url: str = request.getfixturevalue("clean_redis")
     return url
 

@@ -1,4 +1,5 @@
-"""The Storage contract (kvoffload/abc.py), run on every store: memory, file, redis, and
+"""The Storage contract (kvoffload/abc.py), run on every store: memory, file, redis,
+mooncake (a real master; KVOFFLOAD_REQUIRE_MOONCAKE=1 makes it fail rather than skip), and
 a tensor-parallel rank's view of a file store (RankKeys)."""
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ def twin(store: Storage) -> Storage | None:
     from kvoffload.storage.file import FileStorage
     from kvoffload.storage.rank_keys import RankKeys
     from kvoffload.storage.redis import RedisStorage
+
+    if type(store).__name__ == "MooncakeStore":
+        from kvoffload.storage.mooncake import MooncakeStore
+
+        assert isinstance(store, MooncakeStore)
+        return MooncakeStore(store.display_url, prefix=store.prefix, global_segment_size=0)
 
     if isinstance(store, RankKeys):
         inner = twin(store.inner)
@@ -116,7 +123,7 @@ async def test_concurrent_batches_all_land(store: Storage) -> None:
 
 
 async def test_a_second_handle_sees_what_the_first_stored(store: Storage) -> None:
-    """Another worker's handle on the same tier finds the pages (file, redis)."""
+    """Another worker's handle on the same tier finds the pages (file, redis, mooncake)."""
     other = twin(store)
     if other is None:
         pytest.skip("the memory store is one process's dict: not shared by design")
