@@ -20,8 +20,13 @@ the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_erro
   step reuses it;
 - storage writes and loads start at ``start_load_kv``: a write reads host pages only;
   a load reads the store into host pages, then copies them into the request's blocks
-  (one fused job on the load thread: no scheduler round trip between the read and the
-  copy). A cancelled load copies nothing that was not copied yet;
+  (one fused job: no scheduler round trip between the read and the copy). A
+  synchronous load (:attr:`LoadJob.sync`) runs there on the calling thread: vLLM calls
+  ``start_load_kv`` before the forward of a step with synchronous loads, and the
+  forward computes on the loaded KV; its request is not reported in
+  ``finished_recving``. An asynchronous one runs on the load thread (or inline with
+  ``inline_loads``) and its request is reported once it ended. A cancelled load copies
+  nothing that was not copied yet;
 - copies of blocks start at ``wait_for_save`` (:meth:`Mover.save`), after the step's
   forward wrote them, never before (F19).
 
@@ -210,9 +215,10 @@ class Mover:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
-        # inline_loads: a plan's loads run in start() on the calling (engine) thread, not
-        # on the load thread (the ``loads`` setting; None: inline where the KV is in host
-        # memory, see kvoffload.integrations.vllm_settings.Settings.loads).
+        # inline_loads: a plan's asynchronous loads too run in start() on the calling
+        # (engine) thread, not on the load thread (None: where the KV is in host memory);
+        # synchronous ones always do. The connector runs asynchronous ones on the thread
+        # (kvoffload.integrations.vllm_settings.Settings.loads).
         self.inline_loads = self.device.device.type == "cpu" if inline_loads is None else inline_loads
         self._closed = False
 
@@ -278,8 +284,8 @@ class Mover:
                 self.writer.put(jobs)
         for job in plan.loads:
             self._loads_running[job.id] = job
-            if self.inline_loads:
-                self._load(job)  # reported by this step's get_finished
+            if job.sync or self.inline_loads:
+                self._load(job)  # before the forward (sync); reported by this step's get_finished
             else:
                 self._loader.submit(self._load, job)
 
@@ -360,7 +366,8 @@ class Mover:
         for job, pages, error in loaded:
             self._loads_running.pop(job.id, None)
             self._report.loads[job.id] = (1, pages, error)
-            self._recving.add(job.req_id)
+            if not job.sync:  # vLLM waits for an async load's request in finished_recving
+                self._recving.add(job.req_id)
             self._load_errors.update(job.device_pages[pages:])
 
     def finished(self, plan: StepPlan | None) -> tuple[set[str], set[str]]:
