@@ -206,15 +206,17 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
     def ratio(num: str, den: str, key: str) -> float:
         return statistics.median(n[key] / d[key] for n, d in zip(rows[num], rows[den], strict=True))
 
-    if "example" in columns:
-        print(f"ttft recompute/example: {ratio('none', 'example', 'ttft_ms'):.2f}")
-    if "kvoffload" in columns:
-        print(f"ttft recompute/kvoffload: {ratio('none', 'kvoffload', 'ttft_ms'):.2f} (target >= 2)")
-        if "example" in columns:
-            print(f"ttft example/kvoffload: {ratio('example', 'kvoffload', 'ttft_ms'):.2f} (target >= 1)")
-        print(f"decode kvoffload/none: {ratio('kvoffload', 'none', 'decode_ms'):.3f} (target <= 1.05)")
-    if "example" in columns:
-        print(f"decode example/none: {ratio('example', 'none', 'decode_ms'):.3f}")
+    # each ratio whose two columns ran (--columns may leave any out)
+    for num, den, key, label, target in (
+        ("none", "example", "ttft_ms", "ttft recompute/example", ""),
+        ("none", "kvoffload", "ttft_ms", "ttft recompute/kvoffload", " (target >= 2)"),
+        ("example", "kvoffload", "ttft_ms", "ttft example/kvoffload", " (target >= 1)"),
+        ("kvoffload", "none", "decode_ms", "decode kvoffload/none", " (target <= 1.05)"),
+        ("example", "none", "decode_ms", "decode example/none", ""),
+    ):
+        if num in columns and den in columns:
+            digits = 3 if key == "decode_ms" else 2
+            print(f"{label}: {ratio(num, den, key):.{digits}f}{target}")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,13 @@ an unknown key is refused):
 - ``on_load_error`` (``"recompute"``): the connector sets vLLM's
   ``kv_load_failure_policy`` to ``"recompute"`` (vLLM's default, ``"fail"``, fails the
   request when a load fails); ``"fail"`` leaves vLLM's policy as configured.
-- ``loads`` (``"auto"``): where a worker runs a load's read and copy: ``"inline"`` in
-  ``start_load_kv`` (the step that hands it over reports it), ``"thread"`` on a load
-  thread; ``"auto"``: inline where the KV is in host memory (vLLM's CPU build), a thread
-  on a GPU (see :attr:`~kvoffload.integrations.vllm_settings.Settings.loads`).
+- ``loads`` (``"auto"``): how a load runs: ``"inline"``, synchronous (vLLM schedules
+  the request in the step that allocates its blocks; each worker reads and copies in
+  ``start_load_kv``, before that step's forward), ``"thread"``, asynchronous (on a load
+  thread; the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` until
+  ``finished_recving``); ``"auto"``: inline where the KV is in host memory (vLLM's CPU
+  build), a thread on a GPU (see
+  :attr:`~kvoffload.integrations.vllm_settings.Settings.loads`).
 
 What runs where. The scheduler side (role SCHEDULER, the EngineCore process) is a
 :class:`~kvoffload.integrations.vllm_plan.Planner`: one kvoffload lifecycle per request,
@@ -56,11 +59,18 @@ per-process block hashes.
 A request inside vLLM:
 
 1. ``get_num_new_matched_tokens``: the store's leading whole blocks beyond vLLM's own
-   prefix hit, never the last prompt token (vLLM computes it to sample); async.
+   prefix hit, never the last prompt token (vLLM computes it to sample); synchronous
+   or asynchronous as ``loads`` says.
 2. ``update_state_after_alloc``: a load into the blocks vLLM allocated; each worker
-   reads the store into host pages and copies them into the blocks (one job), then
-   reports the request in ``finished_recving`` - failed, short or cancelled loads too,
-   their unloaded blocks in ``get_block_ids_with_load_errors`` so vLLM recomputes them.
+   reads the store into host pages and copies them into the blocks (one job).
+   Synchronous: in ``start_load_kv`` of the step that schedules the request, before its
+   forward; blocks that did not load are reported in that step's
+   ``get_block_ids_with_load_errors``, and vLLM drops the step's output of the request
+   and recomputes from the first bad block (the lifecycle admitted on top of the load
+   is aborted: nothing computed on it is stored, F38). Asynchronous: on the load
+   thread; the request is reported in ``finished_recving`` - failed, short or cancelled
+   loads too, their unloaded blocks in ``get_block_ids_with_load_errors`` so vLLM
+   recomputes them.
 3. Every step it is scheduled: its lifecycle is extended by the tokens whose KV the step
    computes; each newly full block (stride) goes out while it decodes: copied after the
    step's forward (``wait_for_save``), written to the store from the host pool.
@@ -216,6 +226,10 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # host pages: the same number on the scheduler and on every worker
         block_bytes = int(spec.page_size_bytes) * len(self.layer_names)  # one rank's
         self.host_pages = self.settings.host_pages_for(self.num_blocks, block_bytes)
+        # sync_loads: loads run in start_load_kv before the forward of the step that
+        # schedules their request (get_num_new_matched_tokens says (n, False)).
+        device = str(getattr(vllm_config.device_config, "device_type", "") or "")
+        self.sync_loads = self.settings.sync_loads(device)
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
@@ -242,6 +256,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 max_blocks=None if max_len is None else math.ceil(max_len / self.block_size) + 1,
                 kv_events=kv_events_enabled(vllm_config),
                 page_bytes=block_bytes * self.tp_size,
+                sync_loads=self.sync_loads,
             )
             self.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
             from kvoffload.integrations.vllm_metrics import StatsClock
@@ -279,7 +294,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         n = self._plan().matched(request, num_computed_tokens)
-        return n, n > 0
+        return n, n > 0 and not self.sync_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -385,7 +400,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             host_pages=self.host_pages,
             storage=store,
             io_timeout_s=self.settings.io_timeout_s,
-            inline_loads={"auto": None, "inline": True, "thread": False}[self.settings.loads],
+            inline_loads=False,  # a synchronous load runs inline; an asynchronous one on the thread
         )
 
     def _worker_plan(self) -> StepPlan | None:
@@ -405,7 +420,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.mover.start(plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are whole requests, finished before they are scheduled
+        return None  # loads are whole requests: done in start_load_kv (sync) or before scheduling
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

@@ -47,13 +47,19 @@ class WriteOrder:
 class LoadJob:
     """Pages to read from the store (``keys``) into host pages and copy into vLLM's
     blocks ``device_pages`` (one fused job on each worker). ``req_id`` is what the
-    worker reports in ``finished_recving`` once no copy of it writes a block."""
+    worker reports in ``finished_recving`` once no copy of it writes a block.
+
+    ``sync``: a synchronous load (``get_num_new_matched_tokens`` said ``(n, False)``):
+    the request is scheduled in this very step, so the worker loads in
+    ``start_load_kv``, before the forward, and reports blocks that did not load in this
+    step's ``get_block_ids_with_load_errors`` only (never ``finished_recving``)."""
 
     id: int
     req_id: str
     keys: list[str]
     device_pages: list[int]
     host_pages: list[int]
+    sync: bool = False
 
 
 @dataclass(slots=True)

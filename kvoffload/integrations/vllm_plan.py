@@ -113,6 +113,9 @@ class Planner:
     ``max_model_len`` in blocks). ``kv_events``: subscribe the core's KV events
     (:attr:`kv_events`; the connector hands them to vLLM's publisher). ``page_bytes``:
     the bytes of one block on all ranks (the core's byte figures; 0: unknown).
+    ``sync_loads``: loads are synchronous (vLLM schedules a loading request in the step
+    that allocates its blocks and the workers load before that step's forward; see
+    :meth:`start_load`), else asynchronous (the request waits for ``finished_recving``).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class Planner:
         clock: Callable[[], float] = time.monotonic,
         kv_events: bool = False,
         page_bytes: int = 0,
+        sync_loads: bool = False,
     ) -> None:
         import torch
 
@@ -136,6 +140,7 @@ class Planner:
             raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
         self.block_size = block_size
         self.world_size = world_size
+        self.sync_loads = sync_loads
         self.namespace = namespace
         self.lookup = lookup
         self.config = OffloadConfig(
@@ -188,6 +193,9 @@ class Planner:
         self._copy_counts: dict[int, tuple[int, str | None]] = {}
         self._write_counts: dict[int, tuple[int, int, str | None]] = {}
         self._load_counts: dict[int, tuple[int, int, str | None]] = {}
+        # _sync: a synchronous load's job id -> (request id, the lifecycle admitted with
+        #   it in the same step or None, pages promised), until every rank reported it.
+        self._sync: dict[int, tuple[str, int | None, int]] = {}
         self._plan = StepPlan()
         self._refused_logged = False
         self.clock = clock
@@ -278,7 +286,13 @@ class Planner:
         engine's own prefix hit (the one :meth:`matched` was last asked beyond) into the
         blocks vLLM allocated for them (``block_ids``: the request's whole block table).
         The job leaves in the next plan; the request's id comes back in
-        ``finished_recving`` once every worker finished it."""
+        ``finished_recving`` once every worker finished it. With ``sync_loads`` the
+        request is scheduled in the step this plan belongs to: the workers load before
+        its forward and report only the blocks that did not load (vLLM drops that step's
+        output of the request and recomputes from the first bad block); the lifecycle
+        admitted in that step, whose copies read blocks computed on top of the load, is
+        then aborted, so none of them is stored (F38), and a new one is admitted from
+        where vLLM recomputes."""
         if num_external <= 0:
             return
         rec = self._record(request)
@@ -297,13 +311,16 @@ class Planner:
             logger.warning("vllm.load_refused", rid=request.request_id, error=repr(exc))
             rec.load_failed = True  # every block comes back an error: recomputed, not asked again
             self._refused_loads -= 1
-            self._plan.loads.append(LoadJob(self._refused_loads, request.request_id, keys, blocks, []))
+            job = LoadJob(self._refused_loads, request.request_id, keys, blocks, [], self.sync_loads)
+            self._plan.loads.append(job)
             return
         # A load the core ended at once (no host pages: MISSED) still goes to the
         # workers, with no host pages: they report the request (and its blocks as
         # load errors), which vLLM waits for.
         rec.load = self._loads[load.id] = load
-        self._plan.loads.append(LoadJob(load.id, request.request_id, keys, blocks, load.host_pages))
+        self._plan.loads.append(
+            LoadJob(load.id, request.request_id, keys, blocks, load.host_pages, self.sync_loads)
+        )
 
     def _load_done(self, load: Load, pages: int, error: str | None) -> None:
         """Every worker reported ``load``: the read's result goes to the core (which
@@ -366,6 +383,11 @@ class Planner:
                 live = rec.lc
                 if live is not None and not live.released and not live.aborted:
                     self._released(self.core.abort(live))
+        for load_job in self._plan.loads:
+            if load_job.sync:  # its request was admitted just now, on top of the load
+                got = self._requests.get(load_job.req_id)
+                on = None if got is None or got.lc is None else got.lc.id
+                self._sync[load_job.id] = (load_job.req_id, on, len(load_job.keys))
         for job in self.core.take_writes():
             self._plan.writes.append(
                 WriteOrder(job.id, job.host_pages, job.keys, job.lifecycle_id, job.first_token)
@@ -461,6 +483,20 @@ class Planner:
         """``update_connector_output``: count each job's ranks; a job every rank reported
         is delivered to the core (copies, writes) or finishes its load."""
         ws = self.world_size
+        # Loads first: a short synchronous load aborts the lifecycle admitted on top of
+        # it before its copies are delivered, so the core discards them (never written).
+        for lid, (n, pages, err) in report.loads.items():
+            m, p, e = self._load_counts.pop(lid, (0, pages, None))
+            m, p, e = m + n, min(p, pages), e if e is not None else err
+            if m < ws:
+                self._load_counts[lid] = (m, p, e)
+                continue
+            load = self._loads.get(lid)
+            if load is not None:
+                self._load_done(load, p, e)
+            sync = self._sync.pop(lid, None)
+            if sync is not None and (e is not None or p < sync[2]):
+                self._sync_load_short(*sync[:2])
         done: list[tuple[Any, BaseException | None]] = []
         for tid, (n, err) in report.copies.items():
             m, e = self._copy_counts.pop(tid, (0, None))
@@ -485,15 +521,23 @@ class Planner:
                 if 0 < s < total:
                     error = PartialWriteError(e or "not stored", [i < s for i in range(total)])
                 self._released(self.core.write_done(jid, s >= total, error=error))
-        for lid, (n, pages, err) in report.loads.items():
-            m, p, e = self._load_counts.pop(lid, (0, pages, None))
-            m, p, e = m + n, min(p, pages), e if e is not None else err
-            if m < ws:
-                self._load_counts[lid] = (m, p, e)
-                continue
-            load = self._loads.get(lid)
-            if load is not None:
-                self._load_done(load, p, e)
+
+    def _sync_load_short(self, rid: str, lifecycle_id: int | None) -> None:
+        """A synchronous load of ``rid`` came back short: vLLM recomputes from its first
+        bad block, so the lifecycle admitted on top of the load (``lifecycle_id``) is
+        aborted (its copies discarded) and the next step admits a new one from there."""
+        rec = self._requests.get(rid)
+        if rec is None:
+            return
+        rec.load_failed = True
+        lc = rec.lc
+        if lc is None or lc.id != lifecycle_id:
+            return
+        rec.lc = None
+        # as at a preemption: its copies in flight finish before the next forward rewrites the blocks
+        self._plan.flush += [tid for tid, lid in self._copy_of.items() if lid == lc.id]
+        if not lc.released and not lc.aborted:
+            self._released(self.core.abort(lc))
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -52,15 +52,22 @@ class Settings:
     ``"recompute"``, so a failed load costs recompute (F38); ``"fail"``: vLLM's policy
     as configured (its default fails the request)."""
     loads: str = "auto"
-    """Where a worker runs a load's store read and copy into vLLM's blocks: ``"inline"``
-    (in the step that hands it over, in ``start_load_kv``, after that step's forward was
-    launched: the engine thread waits for it), ``"thread"`` (on a load thread of its
-    own, reported in a later step), or ``"auto"``: inline where the KV is in host memory
-    (vLLM's CPU build), a thread where it is on a GPU. Why inline on a CPU: there the
-    engine loop keeps stepping while a request waits for its load, holding the GIL, and a
-    load thread's many hand-offs of the GIL made one 100 MB load take 1.4 s instead of
-    tens of ms (``benchmarks/bench_vllm.py``); on a CPU the read and the copy compete
-    for the same cores as the forward anyway."""
+    """How a load runs: ``"inline"``, synchronously (``get_num_new_matched_tokens`` says
+    ``(n, False)``: vLLM schedules the request in the step that allocates its blocks, and
+    each worker reads the store and copies into them in ``start_load_kv``, before that
+    step's forward; the first token comes one step after the load, not two),
+    ``"thread"``, asynchronously (on a load thread of its own; the request waits in
+    vLLM's ``WAITING_FOR_REMOTE_KVS`` until it is reported in ``finished_recving``, and
+    the engine's steps go on meanwhile), or ``"auto"``: inline where the KV is in host
+    memory (vLLM's CPU build: the read and the copy compete with the forward for the
+    same cores anyway, and a load thread's hand-offs of the GIL against a stepping engine
+    made one 100 MB load take 1.4 s instead of tens of ms), a thread where it is on a GPU
+    (the copy overlaps other requests' forwards)."""
+
+    def sync_loads(self, device_type: str) -> bool:
+        """Whether loads are synchronous on an engine whose KV is on ``device_type``
+        (vLLM's ``device_config.device_type``: ``"cpu"`` for its CPU build)."""
+        return self.loads == "inline" or (self.loads == "auto" and device_type == "cpu")
 
     @classmethod
     def from_extra(cls, extra: Any) -> Settings:

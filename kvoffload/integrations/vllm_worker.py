@@ -20,8 +20,13 @@ the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_erro
   step reuses it;
 - storage writes and loads start at ``start_load_kv``: a write reads host pages only;
   a load reads the store into host pages, then copies them into the request's blocks
-  (one fused job on the load thread: no scheduler round trip between the read and the
-  copy). A cancelled load copies nothing that was not copied yet;
+  (one fused job: no scheduler round trip between the read and the copy). A
+  synchronous load (:attr:`LoadJob.sync`) runs there on the calling thread: vLLM calls
+  ``start_load_kv`` before the forward of a step with synchronous loads, and the
+  forward computes on the loaded KV; its request is not reported in
+  ``finished_recving``. An asynchronous one runs on the load thread (or inline with
+  ``inline_loads``) and its request is reported once it ended. A cancelled load copies
+  nothing that was not copied yet;
 - copies of blocks start at ``wait_for_save`` (:meth:`Mover.save`), after the step's
   forward wrote them, never before (F19).
 
@@ -52,7 +57,7 @@ if TYPE_CHECKING:
 
     from kvoffload.abc import EventBackend
 
-__all__ = ["Mover", "block_tensors", "copy_h2d", "open_store", "rank_stores"]
+__all__ = ["Mover", "block_tensors", "copy_h2d", "h2d_runs", "open_store", "rank_stores"]
 
 #: Most write chains (one per request being stored) a worker remembers.
 _CHAINS = 4096
@@ -100,20 +105,49 @@ def rank_stores(store: Storage, size: int) -> list[Storage]:
     return [RankKeys(store, r, size) for r in range(size)]
 
 
+def h2d_runs(device_pages: Sequence[int], host_pages: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The pairs ``(device_pages[i], host_pages[i])`` as runs ``(device start, host start,
+    count)`` consecutive on both sides (by ascending host page): each run is one block
+    copy. vLLM hands a request blocks in any order (a finished request's blocks go back
+    to its free queue reversed) and the host pool's free pages come out descending; as
+    runs of both, a load is a few block copies, never a gather and a scatter."""
+    runs: list[list[int]] = []
+    for h, d in sorted(zip(host_pages, device_pages, strict=True)):
+        last = runs[-1] if runs else None
+        if last is not None and last[1] + last[2] == h and last[0] + last[2] == d:
+            last[2] += 1
+        else:
+            runs.append([d, h, 1])
+    return [(d, h, n) for d, h, n in runs]
+
+
 def copy_h2d(
     device: EnginePages, host: HostPool, device_pages: Sequence[int], host_pages: Sequence[int]
 ) -> None:
     """Copy host pages ``host_pages[i]`` into engine pages ``device_pages[i]`` (every
-    tensor's slice; blocking, any thread): the backends' copy plan, one block copy per
-    run of consecutive pages (a gather into a temporary and a scatter made it 4-6x
-    slower on vLLM's CPU build: 60 ms against 10 ms for 49 pages of 2 MB)."""
+    tensor's slice; blocking, any thread): one block copy per run of pages consecutive
+    on both sides (:func:`h2d_runs`). On a CPU the copies are numpy's (single-threaded,
+    the GIL released): a torch copy there runs on torch's intra-op threads, which vLLM's
+    CPU worker binds to the cores the forward uses, and on a busy machine a load of 49
+    pages of 2 MB took 100-250 ms through them (a gather and a scatter: 300 ms) against
+    10-30 ms through numpy (``docs/integrations/vllm.md``, Performance)."""
     import torch
-
-    from kvoffload.backends._threaded import copy_pages_h2d
 
     if not device_pages:
         return
-    copy_pages_h2d(device.copy_pairs(host), device_pages, host_pages)
+    runs = h2d_runs(device_pages, host_pages)
+    pairs = device.copy_pairs(host)
+    if device.device.type == "cpu":
+        import numpy as np
+
+        for dev, src in pairs:
+            dn, hn = dev.numpy(), src.numpy()
+            for d, h, n in runs:
+                np.copyto(dn[d : d + n], hn[h : h + n])
+        return
+    for dev, src in pairs:
+        for d, h, n in runs:
+            dev[d : d + n].copy_(src[h : h + n], non_blocking=True)
     if device.device.type == "cuda":
         torch.cuda.current_stream(device.device).synchronize()
 
@@ -181,9 +215,10 @@ class Mover:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
-        # inline_loads: a plan's loads run in start() on the calling (engine) thread, not
-        # on the load thread (the ``loads`` setting; None: inline where the KV is in host
-        # memory, see kvoffload.integrations.vllm_settings.Settings.loads).
+        # inline_loads: a plan's asynchronous loads too run in start() on the calling
+        # (engine) thread, not on the load thread (None: where the KV is in host memory);
+        # synchronous ones always do. The connector runs asynchronous ones on the thread
+        # (kvoffload.integrations.vllm_settings.Settings.loads).
         self.inline_loads = self.device.device.type == "cpu" if inline_loads is None else inline_loads
         self._closed = False
 
@@ -249,8 +284,8 @@ class Mover:
                 self.writer.put(jobs)
         for job in plan.loads:
             self._loads_running[job.id] = job
-            if self.inline_loads:
-                self._load(job)  # reported by this step's get_finished
+            if job.sync or self.inline_loads:
+                self._load(job)  # before the forward (sync); reported by this step's get_finished
             else:
                 self._loader.submit(self._load, job)
 
@@ -332,7 +367,8 @@ class Mover:
         for job, pages, error in loaded:
             self._loads_running.pop(job.id, None)
             self._report.loads[job.id] = (1, pages, error)
-            self._recving.add(job.req_id)
+            if not job.sync:  # vLLM waits for an async load's request in finished_recving
+                self._recving.add(job.req_id)
             self._load_errors.update(job.device_pages[pages:])
 
     def finished(self, plan: StepPlan | None) -> tuple[set[str], set[str]]:

@@ -87,6 +87,7 @@ class Rig:
         stride: int | None = None,
         namespace: str | None = None,
         inline_loads: bool = False,
+        sync_loads: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.store = store
@@ -114,7 +115,9 @@ class Rig:
             world_size=world_size,
             stride=stride,
             namespace=namespace,
+            sync_loads=sync_loads,
         )
+        self.sync_loads = sync_loads
         self.free = list(range(num_blocks - 1, -1, -1))
         self.blocks: dict[str, list[int]] = {}
         self.running: dict[str, FakeRequest] = {}
@@ -148,10 +151,18 @@ class Rig:
             have.append(self.free.pop())
 
     def add(self, req: FakeRequest, *, load: bool = True) -> int:
-        """Admit ``req``; returns the tokens the connector will load (0: none)."""
+        """Admit ``req``; returns the tokens the connector will load (0: none). A
+        synchronous load (``sync_loads``) is vLLM's: the request runs at once, its
+        loaded tokens counted computed, and the next step loads and computes the rest."""
         self.planner.add(req)
         n = self.planner.matched(req, 0) if load else 0
-        if n:
+        if n and self.sync_loads:
+            self._alloc(req.request_id, n)
+            self.planner.start_load(req, self.blocks[req.request_id], n)
+            req.num_computed_tokens = n
+            req.status = "RUNNING"
+            self.running[req.request_id] = req
+        elif n:
             self._alloc(req.request_id, n)
             self.planner.start_load(req, self.blocks[req.request_id], n)
             req.num_computed_tokens = n
@@ -200,6 +211,7 @@ class Rig:
         plan = self.planner.step(scheduled.items(), lambda rid: self.blocks[rid], preempted)
         self.plans.append(plan)
         merged = RankReport()
+        errors: set[int] = set()  # this step's load errors, every rank's
         for r, mover in enumerate(self.movers):
             mover.fence(plan)
             mover.start(plan)
@@ -212,14 +224,28 @@ class Rig:
                         kv[b, :, p % BS, :] = kv_value(toks, p, r, layer)
             mover.save(plan)
             sending, recving = mover.finished(plan)
-            self.load_errors |= mover.take_load_errors()
+            errors |= mover.take_load_errors()
             report = mover.take_report()
             if report is not None:
                 merged = merged.merge(report)
+            self.load_errors |= errors
             self._tally(sending, recving, r)
+        # vLLM's _update_requests_with_invalid_blocks over its running requests (the
+        # synchronous loads): a request whose computed blocks hold a load error goes
+        # back to its first bad block, and this step's output of it is dropped.
+        failed: set[str] = set()
+        for rid in scheduled:
+            req = self.running[rid]
+            computed = self.blocks[rid][: -(-req.num_computed_tokens // BS)]
+            bad = [i for i, b in enumerate(computed) if b in errors]
+            if bad:
+                req.num_computed_tokens = min(bad) * BS
+                failed.add(rid)
         self.planner.apply(merged)
         for rid, n in scheduled.items():
             req = self.running[rid]
+            if rid in failed:
+                continue
             req.num_computed_tokens += n
             if sample and req.num_computed_tokens == req.num_tokens:
                 req.append((decode or {}).get(rid, 7 + req.num_tokens % 50))

@@ -36,6 +36,9 @@ Spec keys:
     (``LLMEngine.abort_request``) after the first step that leaves them in vLLM's
     ``WAITING_FOR_REMOTE_KVS`` (waiting for the connector's load); the result records
     the status each had when aborted and whether its load was still pending.
+    ``abort_after_first_step``: names of requests aborted after the first step that ran
+    them (``RUNNING``: with a synchronous load, the step that loaded them); the result
+    records the status and the computed tokens each had when aborted.
 
   A request: ``name``, ``prompt`` (token ids), ``max_tokens``, optional ``logprobs``
   (default 1), ``extend_with`` (the name of a request of an earlier phase: its prompt
@@ -359,7 +362,8 @@ def _step_phase(
     for r, p in zip(reqs, prompts, strict=True):
         internal[r["name"]] = engine.add_request(r["name"], tokens_prompt(prompt_token_ids=p), params_of(r))
     to_abort = set(phase.get("abort_waiting_for_load", []))
-    seen: dict[str, list[str]] = {name: [] for name in to_abort}
+    after_first = set(phase.get("abort_after_first_step", []))
+    seen: dict[str, list[str]] = {name: [] for name in to_abort | after_first}
     done: dict[str, Any] = {}
     steps = 0
     while engine.has_unfinished_requests():
@@ -380,6 +384,18 @@ def _step_phase(
                 # it never waited for a load (or it is past it): nothing aborted mid-load
                 result["aborts"][name] = {"status": str(status), "load_pending": False, "step": steps}
                 to_abort.discard(name)
+        for name in sorted(after_first):
+            req = sched.requests.get(internal[name])
+            status = None if req is None else req.status
+            seen[name].append(str(status))
+            if status == RequestStatus.RUNNING:
+                computed = req.num_computed_tokens
+                engine.abort_request([name])
+                result["aborts"][name] = {"status": str(status), "computed": computed, "step": steps}
+                after_first.discard(name)
+            elif status is None or req.is_finished():
+                result["aborts"][name] = {"status": str(status), "computed": 0, "step": steps}
+                after_first.discard(name)
         if steps > 100_000:
             raise SystemExit("the engine did not finish its requests")
     for name, statuses in seen.items():

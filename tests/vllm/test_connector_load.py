@@ -78,10 +78,12 @@ def test_a_fresh_process_loads_what_another_stored(tmp_path: Path) -> None:
 
 
 def test_an_inline_load_is_reported_by_the_step_that_hands_it_over(tmp_path: Path) -> None:
-    """``loads="inline"`` (the default on vLLM's CPU build): the worker reads the store
-    and copies into the blocks in that step's ``start_load_kv``, so the same step's
-    ``get_finished`` reports the request, with the KV computing would write; a page
-    that does not match its key is still a load error, never served (F38)."""
+    """An asynchronous load that the worker runs inline (``Mover(inline_loads=True)``;
+    the connector's ``loads="inline"`` makes loads synchronous instead:
+    test_connector_sync_load.py): the worker reads the store and copies into the blocks
+    in that step's ``start_load_kv``, so the same step's ``get_finished`` reports the
+    request, with the KV computing would write; a page that does not match its key is
+    still a load error, never served (F38)."""
     prompt = list(range(1400, 1413))  # 3 whole blocks + 1
     _store_prompt(tmp_path, prompt)
     rig = Rig(FileStorage(tmp_path), inline_loads=True)

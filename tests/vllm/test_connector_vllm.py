@@ -200,14 +200,16 @@ def test_the_fakes_have_the_real_classes_attributes() -> None:
 
     fields = set(SO.__dataclass_fields__)
     assert {"num_scheduled_tokens", "preempted_req_ids", "finished_req_ids"} <= fields
+    # the Rig's synchronous loads (connector_fakes.Rig, sync_loads): vLLM runs start_load_kv
+    # before the forward of a step with them, and truncates at the first bad block
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "has_sync_kv_loads" in fields
+    assert callable(getattr(Scheduler, "_update_requests_with_invalid_blocks", None))
 
 
-def test_store_then_a_fresh_connector_loads_it(engines: tuple[Any, Path]) -> None:
-    """Engine A's connectors store a prompt's blocks and a decoded block; fresh
-    connectors (a new process would have nothing else) find them, load them into the
-    blocks vLLM's KVCacheManager allocated, report finished_recving, and the blocks
-    hold what A computed."""
-    cfg, _ = engines
+def _store_a_prompt(cfg: Any) -> Request:
+    """Engine A's connectors store a prompt's blocks and a decoded block; returns A's request."""
     a = Engine(cfg)
     prompt = [(5 * i) % 400 + 1 for i in range(70)]  # 2 whole blocks + 6
     try:
@@ -226,7 +228,23 @@ def test_store_then_a_fresh_connector_loads_it(engines: tuple[Any, Path]) -> Non
         assert (delay and a.finished_sending == {"a"}) or not delay
     finally:
         a.close()
-    b = Engine(cfg)
+    return req
+
+
+def _holds(b: Engine, rid: str, tokens: list[int], upto: int) -> None:
+    ids = b.manager.get_block_ids(rid)[0]
+    for i, name in enumerate(LAYERS):
+        for p in range(upto):
+            assert torch.all(b.kv[name][ids[p // BS], :, p % BS, :] == float(tokens[p] * 10 + i)), (name, p)
+
+
+def test_store_then_a_fresh_connector_loads_it(model_dir: Path, tmp_path: Path) -> None:
+    """Engine A's connectors store a prompt's blocks and a decoded block; fresh
+    connectors (a new process would have nothing else) with ``loads="thread"`` find
+    them, say the load is asynchronous, load them into the blocks vLLM's KVCacheManager
+    allocated, report finished_recving, and the blocks hold what A computed."""
+    req = _store_a_prompt(_vllm_config(model_dir, tmp_path / "store"))
+    b = Engine(_vllm_config(model_dir, tmp_path / "store", loads="thread"))
     try:
         tokens = [*list(req.all_token_ids)[:96], 1, 2, 3]
         r2 = b.add("b", tokens)
@@ -237,13 +255,38 @@ def test_store_then_a_fresh_connector_loads_it(engines: tuple[Any, Path]) -> Non
         b.sched.update_state_after_alloc(r2, b.manager.get_blocks("b"), 96)
         b.settle()
         assert b.finished_recving == {"b"} and b.load_errors == set()
-        ids = b.manager.get_block_ids("b")[0]
-        for i, name in enumerate(LAYERS):
-            for p in range(96):
-                assert torch.all(b.kv[name][ids[p // BS], :, p % BS, :] == float(tokens[p] * 10 + i)), (
-                    name,
-                    p,
-                )
+        _holds(b, "b", tokens, 96)
+    finally:
+        b.close()
+
+
+def test_on_the_cpu_build_a_load_is_synchronous_in_the_step_that_schedules_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The default (``loads="auto"``) on vLLM's CPU build: ``get_num_new_matched_tokens``
+    says ``(96, False)``; vLLM allocates the blocks and schedules the request's other
+    tokens in the same step (the loaded ones counted computed); the worker loads in
+    ``start_load_kv``, before that step's forward, so after the one step every block
+    holds its KV (loaded, then computed on top) and the request is never in
+    finished_recving, with no load error."""
+    cfg = _vllm_config(model_dir, tmp_path / "store")
+    assert cfg.device_config.device_type == "cpu"
+    req = _store_a_prompt(cfg)
+    b = Engine(cfg)
+    try:
+        tokens = [*list(req.all_token_ids)[:96], 1, 2, 3]
+        r2 = b.add("b", tokens)
+        assert b.sched.get_num_new_matched_tokens(r2, 0) == (96, False)
+        blocks = b.manager.allocate_slots(r2, 3, num_external_computed_tokens=96)
+        assert blocks is not None
+        b.sched.update_state_after_alloc(r2, b.manager.get_blocks("b"), 96)
+        r2.num_computed_tokens = 96  # vLLM's scheduler: local + external hit
+        meta = b.step({"b": 3})
+        assert [(j.req_id, j.sync) for j in meta.plan.loads] == [("b", True)]
+        assert b.finished_recving == set() and b.load_errors == set()
+        _holds(b, "b", tokens, 99)
+        b.settle()
+        assert b.finished_recving == set()
     finally:
         b.close()
 

@@ -9,16 +9,22 @@ Each engine is a process of its own (``engine_run.py``), started once for many r
   repeats ``d0``'s prompt and answer.
 - **other namespace**: a fresh engine on the same directory under another namespace.
 - **corrupt**: a fresh engine on a copy of the store with bytes flipped in every other
-  page file.
+  page file; in both load modes (``loads="auto"``: synchronous on the CPU build, and
+  ``"thread"``: asynchronous).
 - **abort / preempt**: a fresh engine with a small KV cache (32 blocks): requests aborted
-  while they wait for their load, then more requests than fit (the scheduler preempts),
-  then the aborted prompts again.
+  while they wait for their load (asynchronous loads) or right after the step that
+  loaded them (synchronous loads), then more requests than fit (the scheduler
+  preempts), then the aborted prompts again; in both load modes.
+
+**load** runs the default (synchronous on the CPU build); the asynchronous mode's loads
+are compared with the engine without a connector by **abort / preempt** (thread).
 
 Every output is compared with the engine that ran the same prompts without a connector
 (conftest.py ``baseline``). Skipped without vLLM unless ``KVOFFLOAD_REQUIRE_VLLM=1``."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -84,26 +90,35 @@ def corrupt_every_other_page(root: Path) -> list[Path]:
     return flipped
 
 
-@pytest.fixture(scope="module")
-def corrupted(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
-    shutil.copytree(work / "store", work / "corrupt")
-    flipped = corrupt_every_other_page(work / "corrupt")
+@pytest.fixture(scope="module", params=["auto", "thread"])
+def corrupted(
+    request: pytest.FixtureRequest, stored: dict[str, Any], tiny_model: Path, work: Path
+) -> dict[str, Any]:
+    mode = request.param
+    store = f"corrupt-{mode}"
+    shutil.copytree(work / "store", work / store)
+    flipped = corrupt_every_other_page(work / store)
     assert flipped, "the store engine left no page files"
     main = [r for r in ve.main_requests() if r["name"] != "d0"]
     phases = [
         {"name": "main", "requests": main},
         {"name": "batch", "requests": ve.batch_requests()},
     ]
-    run = ve.run_engine(ve.spec(tiny_model, phases, _kv(work, store="corrupt")), work, "corrupt")
+    kv = _kv(work, store=store, loads=mode)
+    run = ve.run_engine(ve.spec(tiny_model, phases, kv), work, store)
     run["flipped"] = len(flipped)
+    run["mode"] = mode
     return run
 
 
 ABORTED = ["x0", "x1"]
 
 
-@pytest.fixture(scope="module")
-def abort_preempt(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
+def _abort_preempt(tiny_model: Path, work: Path, mode: str) -> dict[str, Any]:
+    # asynchronous loads on the load thread: an abort then lands while the read or the
+    # copy may still run; synchronous ones end in the step that schedules the request,
+    # which is aborted right after it (its copies may still be in flight).
+    abort = "abort_waiting_for_load" if mode == "thread" else "abort_after_first_step"
     phases = [
         {
             "name": "abort",
@@ -113,17 +128,27 @@ def abort_preempt(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[
                 ve.req("x1", ve.MAIN["r1"]),
                 ve.req("y0", ve.BYSTANDERS["y0"]),
             ],
-            "abort_waiting_for_load": ABORTED,
+            abort: ABORTED,
         },
         {"name": "after-abort", "requests": [ve.req("y1", ve.BYSTANDERS["y1"]), ve.req("r2", ve.MAIN["r2"])]},
         {"name": "preempt", "requests": [ve.req(n, p, ve.PREEMPT_TOKENS) for n, p in ve.PREEMPT.items()]},
         {"name": "again", "requests": [ve.req("r0", ve.MAIN["r0"]), ve.req("r1", ve.MAIN["r1"])]},
     ]
     small = {"num_gpu_blocks_override": 32, "max_model_len": 768}
-    # loads on the load thread: an abort then lands while the read or the copy may still
-    # run (inline loads, the CPU default, finish in the step that hands them over).
-    kv = _kv(work, loads="thread")
-    return ve.run_engine(ve.spec(tiny_model, phases, kv, engine_args=small), work, "abort")
+    kv = _kv(work, loads=mode)
+    return ve.run_engine(ve.spec(tiny_model, phases, kv, engine_args=small), work, f"abort-{mode}")
+
+
+@pytest.fixture(scope="module")
+def abort_preempt(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
+    """Asynchronous loads (``loads="thread"``)."""
+    return _abort_preempt(tiny_model, work, "thread")
+
+
+@pytest.fixture(scope="module")
+def abort_preempt_sync(stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
+    """Synchronous loads (``loads="inline"``, the CPU build's default)."""
+    return _abort_preempt(tiny_model, work, "inline")
 
 
 def _cached(run: dict[str, Any], name: str) -> int:
@@ -196,18 +221,30 @@ def test_another_namespace_loads_nothing(other_namespace: dict[str, Any], baseli
     ve.assert_same_outputs(other_namespace, baseline, MAIN, what="other namespace")
 
 
+def _recovered_tokens(log: str) -> int:
+    """The tokens vLLM's scheduler says it recomputes because a load failed (its
+    "Recovered from KV load failure: N request(s) rescheduled (M tokens affected)")."""
+    found = re.findall(r"Recovered from KV load failure: \d+ request\(s\) rescheduled \((\d+) tokens", log)
+    return sum(int(m) for m in found)
+
+
 def test_a_corrupted_store_is_recomputed_never_served(
     corrupted: dict[str, Any], loaded: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
-    """(d, F38) Bytes flipped in every other page file: the engine's outputs are still the
-    no-connector ones (a corrupt page is a miss vLLM recomputes), and it loaded fewer
-    tokens than from the intact store (none more for any request)."""
+    """(d, F38) Bytes flipped in every other page file, in both load modes: the engine's
+    outputs are still the no-connector ones (a corrupt page is a miss vLLM recomputes),
+    vLLM says it recomputed tokens because loads failed, and no request counts more
+    cached tokens than from the intact store. Asynchronous loads count fewer in all
+    (vLLM sets a request's cached tokens when it schedules it: after an asynchronous
+    load's failure, but in the very step of a synchronous one, before its failure)."""
     _check_engine(corrupted, "corrupt")
     names = [*MAIN, *ve.BATCH]
     ve.assert_same_outputs(corrupted, baseline, names, what="corrupt")
+    assert _recovered_tokens(corrupted["log"]) > 0, "no load failed on a corrupted store"
     for n in names:
         assert _cached(corrupted, n) <= _cached(loaded, n), n
-    assert sum(_cached(corrupted, n) for n in names) < sum(_cached(loaded, n) for n in names)
+    if "thread" in corrupted["mode"]:
+        assert sum(_cached(corrupted, n) for n in names) < sum(_cached(loaded, n) for n in names)
 
 
 def test_abort_while_waiting_for_a_load(abort_preempt: dict[str, Any], baseline: dict[str, Any]) -> None:
@@ -225,13 +262,35 @@ def test_abort_while_waiting_for_a_load(abort_preempt: dict[str, Any], baseline:
         assert _cached(abort_preempt, n) >= ve.blocks_of(len(ve.PREFIX)), n
 
 
-def test_preemption_among_loading_requests(abort_preempt: dict[str, Any], baseline: dict[str, Any]) -> None:
-    """(f) Eight requests loading a shared prefix into a KV cache too small for them all:
-    the scheduler preempts (counted by vLLM), the requests still load and every output
-    is the no-connector one."""
+def test_abort_right_after_a_synchronous_load(
+    abort_preempt_sync: dict[str, Any], baseline: dict[str, Any]
+) -> None:
+    """(f) Synchronous loads: requests aborted right after the step that loaded them
+    and computed on the load (their copies may still be in flight): no assert in vLLM's
+    scheduler, nothing left behind, and the requests served next get the no-connector
+    outputs, loading the shared prefix."""
+    run = abort_preempt_sync
+    _check_engine(run, "abort/preempt (sync)")
+    for n in ABORTED:
+        assert run["aborts"][n]["status"] == "RUNNING", (n, run["aborts"][n])
+        assert run["aborts"][n]["computed"] >= ve.blocks_of(len(ve.PREFIX)), (n, run["aborts"][n])
+        assert n not in run["requests"], n
+    ve.assert_same_outputs(run, baseline, ["y0", "y1", "r2", "r0", "r1"], what="after abort (sync)")
+    for n in ("r0", "r1", "r2"):
+        assert _cached(run, n) >= ve.blocks_of(len(ve.PREFIX)), n
+
+
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+def test_preemption_among_loading_requests(
+    mode: str, request: pytest.FixtureRequest, baseline: dict[str, Any]
+) -> None:
+    """(f) Eight requests loading a shared prefix into a KV cache too small for them all,
+    asynchronous and synchronous loads: the scheduler preempts (counted by vLLM), the
+    requests still load and every output is the no-connector one."""
+    run = request.getfixturevalue("abort_preempt" if mode == "thread" else "abort_preempt_sync")
     names = list(ve.PREEMPT)
-    preemptions = sum(abort_preempt["requests"][n]["num_preemptions"] for n in names)
+    preemptions = sum(run["requests"][n]["num_preemptions"] for n in names)
     assert preemptions > 0, "the KV cache was large enough: nothing was preempted"
     for n in names:
-        assert _cached(abort_preempt, n) > 0, n
-    ve.assert_same_outputs(abort_preempt, baseline, names, what="preempt")
+        assert _cached(run, n) > 0, n
+    ve.assert_same_outputs(run, baseline, names, what=f"preempt ({mode})")
