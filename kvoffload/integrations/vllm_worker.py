@@ -127,10 +127,11 @@ def copy_h2d(
     """Copy host pages ``host_pages[i]`` into engine pages ``device_pages[i]`` (every
     tensor's slice; blocking, any thread): one block copy per run of pages consecutive
     on both sides (:func:`h2d_runs`). On a CPU the copies are numpy's (single-threaded,
-    the GIL released): a torch copy there runs on torch's intra-op threads, which vLLM's
-    CPU worker binds to the cores the forward uses, and on a busy machine a load of 49
-    pages of 2 MB took 100-250 ms through them (a gather and a scatter: 300 ms) against
-    10-30 ms through numpy (``docs/integrations/vllm.md``, Performance)."""
+    the GIL released): a torch copy there runs on torch's OpenMP intra-op threads (on
+    the load thread a second team, which throttles the forward's: see
+    :mod:`kvoffload.backends._threaded`), and on a busy machine a load of 49 pages of
+    2 MB took 100-250 ms through them (a gather and a scatter: 300 ms) against 10-30 ms
+    through numpy (``docs/integrations/vllm.md``, Performance)."""
     import torch
 
     if not device_pages:
