@@ -18,6 +18,7 @@ same graph with matplotlib, for notebooks on machines without Graphviz.
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ __all__ = [
     "Highlight",
     "draw_matplotlib",
     "dot",
+    "edge_label",
     "edges",
     "highlight_of",
     "mermaid",
@@ -123,12 +125,42 @@ def mermaid(spec: LifecycleSpec | LoadSpec = SPEC, highlight: Highlight | None =
     return "\n".join(lines).strip() + "\n"
 
 
+def edge_label(labels: Iterable[str]) -> str:
+    """An edge's label as lines: its unguarded events first, one per line, then each
+    guard's group: a ``[guard]:`` line of its own, then its events, one per line.
+    ``labels`` are :func:`edges`' ``event [guard]`` strings."""
+    groups: dict[str, list[str]] = {}
+    for label in labels:
+        event, _, guard = label.partition(" [")
+        groups.setdefault(guard.rstrip("]"), []).append(event)
+    lines: list[str] = []
+    for guard in sorted(groups, key=lambda g: (g != "", g)):
+        if guard:
+            lines.append(f"[{guard}]:")
+        lines += groups[guard]
+    return "\\n".join(lines)  # graphviz's line break
+
+
+#: The side of its box a state's own loop is drawn on, away from the edges that run past
+#: it (tests/test_graph.py checks that no label prints over an edge).
+_LOOP_SIDE = {"PENDING": "w", "OFFLOADING": "w", "FINISHING": "w", "CANCELLING": "e"}
+
+
 def _digraph(spec: LifecycleSpec | LoadSpec, highlight: Highlight | None) -> Any:
+    """The lifecycle as a graphviz ``Digraph``, top to bottom: each edge's events in
+    lines grouped by guard (:func:`edge_label`), so no label prints over another or over
+    an edge (``tests/test_graph.py`` checks it in the laid-out drawing)."""
     try:
-        import graphviz  # noqa: F401 - transitions imports it; fail here with the hint
+        import graphviz
     except ImportError:
         raise MissingDependency(f"drawing dot/svg/png needs the graphviz package: {_GRAPHVIZ_HINT}") from None
-    graph = _graph_machine(spec, "graphviz").get_graph()
+    title = "kvoffload load lifecycle" if isinstance(spec, LoadSpec) else "kvoffload lifecycle"
+    graph = graphviz.Digraph(
+        title,
+        graph_attr={"label": title, "labelloc": "t", "rankdir": "TB", "nodesep": "1.8", "ranksep": "0.7"},
+        node_attr={"shape": "rectangle", "style": "rounded,filled", "fillcolor": "white", "color": "black"},
+        edge_attr={"fontsize": "10", "color": "grey30"},
+    )
     marks = _norm(highlight, spec)
     for state in spec.states:
         name = state.name
@@ -136,18 +168,24 @@ def _digraph(spec: LifecycleSpec | LoadSpec, highlight: Highlight | None) -> Any
             graph.node(
                 name,
                 label=f"{name}\\n{', '.join(marks[name])}",
-                style="filled",
                 fillcolor="darksalmon",
                 color="red",
+                peripheries="2",
             )
         else:
-            graph.node(name, style="rounded,filled", fillcolor="white", color="black")
+            graph.node(name)
+    for (src, dst), labels in edges(spec).items():
+        if src == dst:  # a state's own loop on the side no long edge runs (_LOOP_SIDE)
+            side = _LOOP_SIDE.get(src, "e")
+            graph.edge(src, dst, label=edge_label(labels), tailport=side, headport=side)
+        else:
+            graph.edge(src, dst, label=edge_label(labels))
     return graph
 
 
 def dot(spec: LifecycleSpec | LoadSpec = SPEC, highlight: Highlight | None = None) -> str:
     """The lifecycle as graphviz dot source (needs the ``graphviz`` Python package only)."""
-    source: str = _digraph(spec, highlight).source.replace("[guard_", "[")
+    source: str = _digraph(spec, highlight).source
     return source
 
 
@@ -191,17 +229,22 @@ def edges(spec: LifecycleSpec | LoadSpec = SPEC) -> dict[tuple[str, str], list[s
     return out
 
 
-# Where draw_matplotlib puts each state (x, y): the happy path left to right.
+# Where draw_matplotlib puts each state (x, y): top to bottom, as Graphviz lays it out
+# (the happy path down the middle, the other states beside it).
 _LAYOUT = {
-    "PENDING": (0.0, 0.0),
-    "OFFLOADING": (1.0, 0.8),
-    "FINISHING": (2.0, 0.0),
-    "RELEASED": (3.0, 0.0),
-    "READING": (0.0, 0.0),
-    "COPYING": (1.5, 0.8),
-    "CANCELLING": (1.5, -0.5),
-    "DONE": (3.0, 0.0),
+    "PENDING": (2.0, 3.0),
+    "OFFLOADING": (0.4, 2.2),
+    "FINISHING": (2.0, 1.0),
+    "RELEASED": (2.6, 0.0),
+    "READING": (2.0, 3.0),
+    "COPYING": (0.6, 2.0),
+    "CANCELLING": (1.7, 1.0),
+    "DONE": (1.7, 0.0),
 }
+# How far (and which way) an edge bows: the long edges round the states they skip.
+_BOW = {("PENDING", "RELEASED"): -0.35, ("READING", "DONE"): -0.3, ("COPYING", "DONE"): 0.45}
+# Straight edges whose label goes on their left: a long edge bows past their right.
+_LABEL_WEST = {("FINISHING", "RELEASED"), ("CANCELLING", "DONE")}
 
 
 def draw_matplotlib(
@@ -221,26 +264,36 @@ def draw_matplotlib(
     except ImportError:
         raise MissingDependency("draw_matplotlib needs matplotlib: pip install matplotlib") from None
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.5))
+        _, ax = plt.subplots(figsize=(8, 7))
     marks = _norm(highlight, spec)
     for (src, dst), names in edges(spec).items():
         (x0, y0), (x1, y1) = _LAYOUT[src], _LAYOUT[dst]
-        text = "\n".join(names) if labels else ""
-        if src == dst:
+        text = edge_label(names).replace("\\n", "\n") if labels else ""
+        if src == dst:  # a loop on the state's west side, its label further west
+            side = -1.0 if _LOOP_SIDE.get(src, "e") == "w" else 1.0
             ax.annotate(
-                "", xy=(x0 + 0.12, y0 + 0.12), xytext=(x0 - 0.12, y0 + 0.12),
-                arrowprops={"arrowstyle": "->", "connectionstyle": "arc3,rad=-1.6", "color": "grey"},
+                "", xy=(x0 + side * 0.3, y0 - 0.1), xytext=(x0 + side * 0.3, y0 + 0.1),
+                arrowprops={"arrowstyle": "->", "connectionstyle": f"arc3,rad={-2.2 * side}",
+                            "color": "grey"},
             )  # fmt: skip
-            ax.text(x0, y0 + 0.42, text, ha="center", va="bottom", fontsize=6, color="dimgrey")
+            ax.text(x0 + side * 0.62, y0, text, ha="right" if side < 0 else "left", va="center",
+                    fontsize=7, color="dimgrey")  # fmt: skip
             continue
-        rad = 0.25 if (dst, src) in edges(spec) else 0.0
+        rad = _BOW.get((src, dst), 0.15 if (dst, src) in edges(spec) else 0.0)
         arrow = FancyArrowPatch(
             (x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=12, color="grey",
-            connectionstyle=f"arc3,rad={rad}", shrinkA=28, shrinkB=28,
+            connectionstyle=f"arc3,rad={rad}", shrinkA=14, shrinkB=14,
         )  # fmt: skip
         ax.add_patch(arrow)
-        mx, my = (x0 + x1) / 2, (y0 + y1) / 2 + (rad * (x1 - x0) * -0.6)
-        ax.text(mx, my, text, ha="center", va="center", fontsize=6, color="dimgrey")
+        # the label beside the curve's middle, off its outer side (a straight one: its right)
+        dx, dy = x1 - x0, y1 - y0
+        length = math.hypot(dx, dy)
+        nx, ny = dy / length, -dx / length  # the curve's normal towards where arc3 bows it
+        if rad < 0 or (rad == 0 and (nx < 0) != ((src, dst) in _LABEL_WEST)):
+            nx, ny = -nx, -ny
+        mx, my = x0 + dx / 2 + rad * dy * 0.5 + 0.1 * nx, y0 + dy / 2 - rad * dx * 0.5 + 0.1 * ny
+        va = "bottom" if ny > 0.5 else "top" if ny < -0.5 else "center"
+        ax.text(mx, my, text, ha="left" if nx >= 0 else "right", va=va, fontsize=7, color="dimgrey")
     for state in spec.states:
         x, y = _LAYOUT[state.name]
         on = bool(marks.get(state.name))
@@ -249,7 +302,7 @@ def draw_matplotlib(
             ha="center", va="center", fontsize=9, weight="bold" if on else "normal",
             bbox={"boxstyle": "round", "fc": "darksalmon" if on else "white", "ec": "red" if on else "black"},
         )  # fmt: skip
-    ax.set_xlim(-0.6, 3.6)
-    ax.set_ylim(-0.7, 1.5)
+    ax.set_xlim(-0.8, 3.6)
+    ax.set_ylim(-0.4, 3.4)
     ax.axis("off")
     return ax
