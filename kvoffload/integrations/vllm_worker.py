@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Mover", "block_tensors", "copy_h2d", "h2d_runs", "open_store", "rank_stores"]
 
+#: Fewest pages a synchronous load splits into two halves read and copied at once.
+_SPLIT_MIN = 8
+
 #: Most write chains (one per request being stored) a worker remembers.
 _CHAINS = 4096
 
@@ -216,6 +219,8 @@ class Mover:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
+        # _splitter: the thread of a synchronous load's second half (made at its first).
+        self._splitter: ThreadPoolExecutor | None = None
         # inline_loads: a plan's asynchronous loads too run in start() on the calling
         # (engine) thread, not on the load thread (None: where the KV is in host memory);
         # synchronous ones always do. The connector runs asynchronous ones on the thread
@@ -327,18 +332,46 @@ class Mover:
             if n < len(job.keys):
                 error = f"no host pages for {len(job.keys) - n} of {len(job.keys)} page(s)"
             if n and self.writer is not None and self.storage is not None:
-                dest = _writable_pages(self.host, job.host_pages[:n])
-                pages = int(self.writer.call(self.storage.get_into(job.keys[:n], dest), self.io_timeout_s))
-                del dest
-            with self._lock:
-                cancelled = job.id in self._cancelled
-            if pages and not cancelled:
-                copy_h2d(self.device, self.host, job.device_pages[:pages], job.host_pages[:pages])
+                split = job.sync and n >= _SPLIT_MIN
+                pages = self._read_copy_split(job, n) if split else self._read_copy(job, 0, n)
         except Exception as exc:  # the store or the copy failed: nothing counts as loaded
             pages, error = 0, repr(exc)
         with self._lock:
             self._loaded.append((job, pages, error))
             self._load_done.notify_all()
+
+    def _read_copy(self, job: LoadJob, start: int, stop: int) -> int:
+        """Read ``job``'s pages ``start:stop`` from the store into their host pages, then
+        copy the leading ones read into their blocks (none once the load is cancelled);
+        returns how many leading pages of the range were read."""
+        assert self.writer is not None and self.storage is not None
+        host = job.host_pages[start:stop]
+        dest = _writable_pages(self.host, host)
+        got = int(self.writer.call(self.storage.get_into(job.keys[start:stop], dest), self.io_timeout_s))
+        del dest
+        with self._lock:
+            cancelled = job.id in self._cancelled
+        if got and not cancelled:
+            copy_h2d(self.device, self.host, job.device_pages[start : start + got], host[:got])
+        return got
+
+    def _read_copy_split(self, job: LoadJob, n: int) -> int:
+        """A synchronous load's read and copy in two halves at once, the second on a
+        thread of its own: it runs before the forward, so the engine's cores are free
+        (each half's read and copy release the GIL; the copy starts no OpenMP team).
+        Returns the leading pages loaded; when the first half comes back short, what the
+        second copied lies past them and is reported as load errors with them (vLLM
+        recomputes those blocks). Both halves have ended when this returns or raises."""
+        if self._splitter is None:
+            self._splitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load-half")
+        half = n // 2
+        second = self._splitter.submit(self._read_copy, job, half, n)
+        try:
+            first = self._read_copy(job, 0, half)
+        finally:
+            done = second.exception() is None  # waits: no copy of it runs after we report
+        got = second.result() if done else 0
+        return first if first < half else half + got
 
     # --- what this rank reports -------------------------------------------------------------
 
@@ -440,6 +473,8 @@ class Mover:
         if not self.backend.join(timeout):
             logger.error("vllm.close_timeout", what="copies", timeout_s=timeout)
         self._loader.shutdown(wait=True)
+        if self._splitter is not None:
+            self._splitter.shutdown(wait=True)
         if self.writer is not None:
             self.writer.stop()
             self.writer.join(timeout)
