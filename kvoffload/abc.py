@@ -476,6 +476,30 @@ class Storage(abc.ABC):
             n += 1
         return n
 
+    async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+        """:meth:`get_into` where page ``i``'s bytes go, in order, into the writable
+        buffers ``dest[i]`` (their sizes add up to the page's): an engine's block that
+        lies across its layers' tensors, read with no copy through a host page.
+
+        Returns how many leading pages were filled; a page missing, unreadable or not
+        exactly the parts' size stops it, and the buffers of that page and the later
+        ones hold unspecified bytes (a page that fails its check may already be in
+        them: the caller recomputes those). The default reads each page with
+        :meth:`get` and copies its parts; the file store reads into the parts directly
+        (``preadv``) and checks them there."""
+        if len(keys) != len(dest):
+            raise ValueError(f"{len(keys)} keys for {len(dest)} pages of buffers")
+        n = 0
+        for page, parts in zip(await self.get(keys), dest, strict=True):
+            if page is None or len(page) != sum(b.nbytes for b in parts):
+                break
+            off = 0
+            for b in parts:
+                b.cast("B")[:] = page[off : off + b.nbytes]
+                off += b.nbytes
+            n += 1
+        return n
+
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, counting from the first, are stored.
 

@@ -219,6 +219,16 @@ class Mover:
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
+        # _block_views: per engine tensor (a host page's order), a writable byte view of
+        #   each block: a synchronous load on a CPU reads pages straight into them (a
+        #   page that fails its check is in its block then: reported, vLLM recomputes it).
+        self._block_views: list[Any] | None = None  # numpy (n_pages, page bytes) arrays
+        if self.device.device.type == "cpu":
+            import torch
+
+            self._block_views = [
+                t.view(self.device.n_pages, -1).view(torch.uint8).numpy() for t in self.device.tensors
+            ]
         # _splitter: the thread of a synchronous load's second half (made at its first).
         self._splitter: ThreadPoolExecutor | None = None
         # inline_loads: a plan's asynchronous loads too run in start() on the calling
@@ -345,6 +355,10 @@ class Mover:
         copy the leading ones read into their blocks (none once the load is cancelled);
         returns how many leading pages of the range were read."""
         assert self.writer is not None and self.storage is not None
+        if job.sync and self._block_views is not None:  # straight into the blocks: no copy
+            parts = [[memoryview(v[b]) for v in self._block_views] for b in job.device_pages[start:stop]]
+            read = self.storage.get_into_parts(job.keys[start:stop], parts)
+            return int(self.writer.call(read, self.io_timeout_s))
         host = job.host_pages[start:stop]
         dest = _writable_pages(self.host, host)
         got = int(self.writer.call(self.storage.get_into(job.keys[start:stop], dest), self.io_timeout_s))

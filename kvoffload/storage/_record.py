@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64, xxh3_64_intdigest
 
 __all__ = [
     "HEADER",
@@ -37,6 +38,7 @@ __all__ = [
     "encode_header",
     "header_size",
     "intact",
+    "intact_parts",
     "payload_offset",
 ]
 
@@ -110,6 +112,19 @@ def intact(found: Found, payload: bytes | memoryview) -> bool:
     if found.version == 1:
         return zlib.crc32(payload) == found.checksum
     return xxh3_64_intdigest(payload) == found.checksum
+
+
+def intact_parts(found: Found, parts: Sequence[memoryview]) -> bool:
+    """Whether the payload held by ``parts`` (in order) matches its record's checksum."""
+    if found.version == 1:
+        crc = 0
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        return crc == found.checksum
+    h = xxh3_64()
+    for part in parts:
+        h.update(part)
+    return bool(h.intdigest() == found.checksum)
 
 
 def decode(key: str, record: bytes | None) -> bytes | None:

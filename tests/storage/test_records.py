@@ -211,3 +211,23 @@ async def test_a_refused_set_is_a_storage_error_and_the_connection_stays_in_step
     finally:
         await admin.aclose()
         await rs.aclose()
+
+
+async def test_the_file_store_checks_a_page_read_into_parts(tmp_path: Path) -> None:
+    """A record whose payload was corrupted on disk reads as missing through
+    ``get_into_parts`` too (its checksum is computed over the parts it was read into),
+    and an intact one fills its parts exactly (F38)."""
+    from kvoffload.storage.file import FileStorage
+
+    store = FileStorage(tmp_path)
+    page = bytes(range(256)) * 16
+    await store.put(["good", "bad"], [page, page])
+    path = store.path("bad")
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    parts = [memoryview(bytearray(1000)), memoryview(bytearray(len(page) - 1000))]
+    assert await store.get_into_parts(["good"], [parts]) == 1
+    assert bytes(parts[0]) + bytes(parts[1]) == page
+    again = [memoryview(bytearray(1000)), memoryview(bytearray(len(page) - 1000))]
+    assert await store.get_into_parts(["good", "bad"], [parts, again]) == 1

@@ -101,6 +101,25 @@ async def test_get_into_fills_host_buffers_up_to_the_first_gap(store: Storage) -
         await store.get_into(keys, dest[:1])
 
 
+async def test_get_into_parts_fills_each_pages_parts_up_to_the_first_gap(store: Storage) -> None:
+    """get_into_parts writes page i's bytes, in order, across its buffers (an engine
+    block across its layers' tensors) and counts the leading pages read; a missing page,
+    or parts whose sizes do not add up to the page, stops it."""
+    keys, pages = keys_of(4), pages_of(4)
+    await store.put(keys[:2] + keys[3:], pages[:2] + pages[3:])
+    cut = PAGE // 3
+    bufs = [(bytearray(cut), bytearray(PAGE - cut)) for _ in range(4)]
+    dest = [[memoryview(a), memoryview(b)] for a, b in bufs]
+    assert await store.get_into_parts(keys, dest) == 2
+    assert [bytes(a + b) for a, b in bufs[:2]] == pages[:2]
+    assert await store.get_into_parts(keys[:1], [[memoryview(bytearray(PAGE - 1))]]) == 0
+    too_big = [[memoryview(bytearray(PAGE)), memoryview(bytearray(1))]]
+    assert await store.get_into_parts(keys[3:], too_big) == 0
+    assert await store.get_into_parts([], []) == 0
+    with pytest.raises(ValueError):
+        await store.get_into_parts(keys, dest[:1])
+
+
 async def test_large_pages_round_trip(store: Storage) -> None:
     """A 1 MiB page (a realistic KV page of all layers) is stored and read whole."""
     keys = keys_of(2)
