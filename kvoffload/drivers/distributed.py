@@ -66,6 +66,7 @@ from kvoffload.errors import (
     RankTimeout,
     StorageError,
 )
+from kvoffload.storage.writer import stored_prefix
 
 if TYPE_CHECKING:
     from kvoffload.core.offload import OffloadCore
@@ -121,19 +122,7 @@ def _write_code(held: WriteResult | None) -> int:
     """A write's slot: ``_WAITING`` until this rank finished it, then 1 + the pages this
     rank's store confirmed from the job's first page on (F34), so the MIN over the
     ranks is 1 + the prefix every rank stored."""
-    return _WAITING if held is None else 1 + _reach(held)
-
-
-def _reach(held: WriteResult) -> int:
-    """How many leading pages of a finished write the store confirmed (F34)."""
-    job, stored, _, error = held
-    n = len(job.host_pages)
-    if stored:
-        return n
-    flags = error.stored if isinstance(error, PartialWriteError) else ()
-    if len(flags) != n:
-        return 0
-    return flags.index(False) if False in flags else n
+    return _WAITING if held is None else 1 + stored_prefix(held)
 
 
 class Agreed(NamedTuple):
@@ -528,7 +517,7 @@ class RankAgreement:
             held = self.writes.pop(jobs[i].id)
             job, stored, attempts, error = held
             reach, n = code - 1, len(job.host_pages)  # the prefix every rank stored (F34)
-            if reach < n and (stored or isinstance(error, PartialWriteError) or _reach(held) > reach):
+            if reach < n and (stored or isinstance(error, PartialWriteError) or stored_prefix(held) > reach):
                 # Every rank counts the same pages: the agreed prefix, nothing after it.
                 stored = False
                 why = f"the storage write of {job!r} failed on another rank"

@@ -39,7 +39,7 @@ import anyio.to_thread
 from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError, PartialWriteError, StorageError
 from kvoffload.pools import page_views
-from kvoffload.storage._record import decode, encode_header, header_size, intact, intact_parts, payload_offset
+from kvoffload.storage._record import decode, encode_header, header_size, intact_parts, payload_offset
 
 if TYPE_CHECKING:
     from kvoffload.pools import HostPool
@@ -261,7 +261,7 @@ class FileStorage(Storage):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
             return 0
-        return await anyio.to_thread.run_sync(self._read_prefix, list(keys), list(dest))
+        return await anyio.to_thread.run_sync(self._read_prefix, list(keys), [[d] for d in dest])
 
     async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
         """Each payload read straight into its parts (one ``preadv``), checked there."""
@@ -269,27 +269,7 @@ class FileStorage(Storage):
             raise ValueError(f"{len(keys)} keys for {len(dest)} pages of buffers")
         if not keys:
             return 0
-        return await anyio.to_thread.run_sync(self._read_parts, list(keys), [list(d) for d in dest])
-
-    def _read_parts(self, keys: list[str], dest: list[list[memoryview]]) -> int:
-        with _Reader(self) as r:
-            for i, key in enumerate(keys):
-                f = r.open(key)
-                if f is None:
-                    return i
-                with f:
-                    try:
-                        found = payload_offset(key, f.read(header_size(key)), os.fstat(f.fileno()).st_size)
-                        parts = [b.cast("B") for b in dest[i]]
-                        if found is None or found.length != sum(b.nbytes for b in parts):
-                            return i
-                        if os.preadv(f.fileno(), parts, found.offset) != found.length:
-                            return i
-                        if not intact_parts(found, parts):
-                            return i
-                    except OSError as exc:
-                        raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
-        return len(keys)
+        return await anyio.to_thread.run_sync(self._read_prefix, list(keys), [list(d) for d in dest])
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         """Counts files whose header names the key and whose size matches it (a
@@ -298,9 +278,10 @@ class FileStorage(Storage):
             return 0
         return await anyio.to_thread.run_sync(self._read_prefix, list(keys), None)
 
-    def _read_prefix(self, keys: list[str], dest: list[memoryview] | None) -> int:
+    def _read_prefix(self, keys: list[str], dest: list[list[memoryview]] | None) -> int:
         """How many leading keys have a whole record of their key; with ``dest``, read
-        each payload straight into its buffer and check its checksum there."""
+        each payload straight into its buffers (one ``preadv``: a host page, or an
+        engine block's parts) and check its checksum there."""
         with _Reader(self) as r:
             for i, key in enumerate(keys):
                 f = r.open(key)
@@ -312,11 +293,13 @@ class FileStorage(Storage):
                         if found is None:
                             return i
                         if dest is not None:
-                            out = dest[i].cast("B")
-                            if found.length != out.nbytes:
+                            parts = [b.cast("B") for b in dest[i]]
+                            if found.length != sum(b.nbytes for b in parts):
                                 return i
-                            f.seek(found.offset)  # a version 1 header is shorter than what was read
-                            if f.readinto(out) != out.nbytes or not intact(found, out):
+                            # (a version 1 header is shorter than what was read: offset is exact)
+                            if os.preadv(f.fileno(), parts, found.offset) != found.length:
+                                return i
+                            if not intact_parts(found, parts):
                                 return i
                     except OSError as exc:
                         raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
