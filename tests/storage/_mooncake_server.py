@@ -140,3 +140,14 @@ class MooncakeServer:
 def env_url() -> str | None:
     """The master scripts/mooncake.sh started (``KVOFFLOAD_MOONCAKE_URL``), if any."""
     return os.environ.get("KVOFFLOAD_MOONCAKE_URL") or None
+
+
+def mooncake_unavailable(reason: str) -> None:
+    """Skip a mooncake test, or fail it under ``KVOFFLOAD_REQUIRE_MOONCAKE=1`` (CI). Here,
+    not in conftest.py: ``from conftest import`` finds whichever conftest pytest imported
+    first when the whole suite runs (tests/vllm has one too)."""
+    import pytest
+
+    if os.environ.get("KVOFFLOAD_REQUIRE_MOONCAKE") == "1":
+        pytest.fail(f"KVOFFLOAD_REQUIRE_MOONCAKE=1 but {reason}")
+    pytest.skip(reason)

@@ -23,7 +23,14 @@ from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
-from _mooncake_server import MOONCAKE_BIN, MOONCAKE_MISSING, MooncakeServer, env_url, listening
+from _mooncake_server import (
+    MOONCAKE_BIN,
+    MOONCAKE_MISSING,
+    MooncakeServer,
+    env_url,
+    listening,
+    mooncake_unavailable,
+)
 from _redis_server import REDIS_SERVER, RedisServer, redis_ping
 from _storage_helpers import STORE_KINDS, make_store
 
@@ -33,13 +40,6 @@ from kvoffload.abc import Storage
 def _unavailable(reason: str) -> None:
     if os.environ.get("KVOFFLOAD_REQUIRE_REDIS") == "1":
         pytest.fail(f"KVOFFLOAD_REQUIRE_REDIS=1 but {reason}")
-    pytest.skip(reason)
-
-
-def mooncake_unavailable(reason: str) -> None:
-    """Skip a mooncake test, or fail it under ``KVOFFLOAD_REQUIRE_MOONCAKE=1`` (CI)."""
-    if os.environ.get("KVOFFLOAD_REQUIRE_MOONCAKE") == "1":
-        pytest.fail(f"KVOFFLOAD_REQUIRE_MOONCAKE=1 but {reason}")
     pytest.skip(reason)
 
 

@@ -105,7 +105,7 @@ async def test_a_full_segment_refuses_puts_as_counted_drops(tmp_path: Path) -> N
     from _mooncake_server import MOONCAKE_BIN, MOONCAKE_MISSING
 
     if MOONCAKE_BIN is None:
-        from conftest import mooncake_unavailable
+        from _mooncake_server import mooncake_unavailable
 
         mooncake_unavailable(MOONCAKE_MISSING)
     server = MooncakeServer(tmp_path / "mc", memory_mb=16)

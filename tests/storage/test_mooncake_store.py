@@ -223,7 +223,7 @@ async def test_a_batch_stored_in_part_says_which_pages(tmp_path: Path) -> None:
     from _mooncake_server import MOONCAKE_BIN, MOONCAKE_MISSING
 
     if MOONCAKE_BIN is None:
-        from conftest import mooncake_unavailable
+        from _mooncake_server import mooncake_unavailable
 
         mooncake_unavailable(MOONCAKE_MISSING)
     server = MooncakeServer(tmp_path / "mc", memory_mb=16)  # Mooncake's smallest segment
@@ -407,7 +407,7 @@ def test_every_test_file_on_the_mooncake_tier_names_its_ci_guard() -> None:
 
 
 def test_the_ci_guard_turns_a_skip_into_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    from conftest import mooncake_unavailable
+    from _mooncake_server import mooncake_unavailable
 
     monkeypatch.delenv("KVOFFLOAD_REQUIRE_MOONCAKE", raising=False)
     with pytest.raises(pytest.skip.Exception, match="no master"):
