@@ -11,6 +11,7 @@
 # The binaries come with the kvoffload[mooncake] extra (scripts/setup.sh installs it in
 # .venv); MOONCAKE_BIN overrides where they are looked for.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_stop.sh"
 cd "$(dirname "$0")/.."
 
 free_port() {
@@ -71,17 +72,10 @@ wait_for() {  # dir port name: wait (bounded, ~15 s) until the child listens
 }
 
 stop_dir() {
-  local dir=$1 pid name
+  local dir=$1 name
   [ -n "$dir" ] && [ -d "$dir" ] || return 0
   for name in memory master; do
-    [ -f "$dir/$name.pid" ] || continue
-    pid=$(cat "$dir/$name.pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do  # bounded: at most ~5 s, then SIGKILL
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
+    stop_pidfile "$dir/$name.pid" 5
   done
   rm -rf "$dir"
 }

@@ -10,6 +10,7 @@
 # It scrapes every target listed in $KVOFFLOAD_PROMETHEUS_DIR/targets/*.json (Prometheus's
 # file service discovery: a test writes one there for the endpoint it starts) each second.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_stop.sh"
 
 install() {
   if [ "$(id -u)" != 0 ]; then
@@ -76,17 +77,9 @@ EOF
 }
 
 stop_dir() {
-  local dir=$1 pid
+  local dir=$1
   [ -n "$dir" ] && [ -d "$dir" ] || return 0
-  if [ -f "$dir/prometheus.pid" ]; then
-    pid=$(cat "$dir/prometheus.pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 100); do  # bounded: at most ~10 s, then SIGKILL
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
-  fi
+  stop_pidfile "$dir/prometheus.pid" 10
   rm -rf "$dir"
 }
 

@@ -7,6 +7,7 @@
 #   scripts/redis.sh stop    stops the server started above (KVOFFLOAD_REDIS_DIR) and
 #                            removes its directory.
 set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/_stop.sh"
 
 start() {
   if ! command -v redis-server >/dev/null 2>&1; then
@@ -37,17 +38,9 @@ start() {
 }
 
 stop_dir() {
-  local dir=$1 pid
+  local dir=$1
   [ -n "$dir" ] && [ -d "$dir" ] || return 0
-  if [ -f "$dir/redis.pid" ]; then
-    pid=$(cat "$dir/redis.pid")
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do  # bounded: at most ~5 s, then SIGKILL
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
-  fi
+  stop_pidfile "$dir/redis.pid" 5
   rm -rf "$dir"
 }
 
