@@ -29,3 +29,25 @@ def describe() -> str:
         f"machine: {os.cpu_count()} cpu(s), {model}; python {platform.python_version()}, "
         f"torch {torch_v}; {load}"
     )
+
+
+def verdict(ok: bool) -> str:
+    """A target's verdict as every benchmark prints it: ``ok`` or ``MISSED``."""
+    return "ok" if ok else "MISSED"
+
+
+def spread(xs: list[float], fmt: str = ".2f") -> str:
+    """The range over rounds of a figure whose median is printed: ``rounds A..B (N)``."""
+    if not xs:
+        return "rounds none"
+    return f"rounds {min(xs):{fmt}}..{max(xs):{fmt}} ({len(xs)})"
+
+
+def target_line(
+    name: str, value: float, target: float, *, at_most: bool, xs: list[float], fmt: str = ".3f"
+) -> str:
+    """One target on one line: ``NAME: VALUE (target <= T: ok; rounds A..B (N))``.
+    ``at_most``: the target is an upper bound (a cost ratio); else a lower bound."""
+    ok = value <= target if at_most else value >= target
+    op = "<=" if at_most else ">="
+    return f"{name}: {value:{fmt}} (target {op} {target:g}: {verdict(ok)}; {spread(xs)})"
