@@ -586,16 +586,19 @@ class MooncakeStore(Storage):
     def _put_sync(self, keys: list[str], views: list[memoryview]) -> None:
         """Each record (header with its checksum, then the page) staged whole in a
         registered arena, then one ``batch_upsert_from``: one transfer per page, and a key
-        already stored is replaced."""
+        already stored is replaced. Page by page, the checksum is taken from the host page
+        and the page copied right after, while it is still in the cache."""
         names = self._k(keys)
-        heads = [encode_header(k, v) for k, v in zip(keys, views, strict=True)]
-        lens = [len(h) + v.nbytes for h, v in zip(heads, views, strict=True)]
+        lens = [header_size(k) + v.nbytes for k, v in zip(keys, views, strict=True)]
         with self._arena(sum(lens)) as arena:
-            buf, off = arena.buf, 0
+            buf: memoryview = arena.buf.data
+            off = 0
             at: list[int] = []
-            for h, v, n in zip(heads, views, lens, strict=True):
-                buf[off : off + len(h)] = memoryview(h)
-                buf[off + len(h) : off + n] = v
+            for k, v, n in zip(keys, views, lens, strict=True):
+                h = encode_header(k, v)
+                hl = len(h)
+                buf[off : off + hl] = h
+                buf[off + hl : off + n] = v
                 at.append(arena.ptr + off)
                 off += n
             codes = [int(c) for c in self._client.batch_upsert_from(names, at, lens, self._config())]
@@ -670,23 +673,22 @@ class MooncakeStore(Storage):
             self._note(codes)
             view: memoryview = arena.buf.data
             n = 0
-            for key, o, h, c, off in zip(keys, outs, hlens, codes, offs, strict=True):
-                if c < 0:  # missing, another size (a failed transfer), or the master is gone
-                    if c in _UNREACHABLE and n == 0:
-                        raise self._error("read", error_name(int(c)))
-                    break
-                found = payload_offset(key, view[off : off + h], int(c))
-                if found is None or found.length != o.nbytes:
-                    break
-                payload = view[off + h : off + h + o.nbytes]
-                if self.verify and not intact(found, payload):
-                    break
-                n += 1
-            with gate.lock:
+            with gate.lock:  # page by page: checked, then copied while still in the cache
                 if gate.closed:
                     return 0
-                for o, off, h in zip(outs[:n], offs, hlens, strict=False):
-                    o[:] = view[off + h : off + h + o.nbytes]
+                for key, o, h, c, off in zip(keys, outs, hlens, codes, offs, strict=True):
+                    if c < 0:  # missing, another size (a failed transfer), or the master is gone
+                        if c in _UNREACHABLE and n == 0:
+                            raise self._error("read", error_name(int(c)))
+                        break
+                    found = payload_offset(key, view[off : off + h], int(c))
+                    if found is None or found.length != o.nbytes:
+                        break
+                    payload = view[off + h : off + h + o.nbytes]
+                    if self.verify and not intact(found, payload):
+                        break
+                    o[:] = payload
+                    n += 1
         return n
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
