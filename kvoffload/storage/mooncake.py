@@ -52,7 +52,9 @@ sends the records, one transfer each. Mooncake 0.3.13 moves every buffer of a
 multi-buffer call as a transfer of its own, and over TCP a header's transfer costs
 more than a memcpy of the page: ``batch_put_from_multi_buffers`` with the page in place
 (zero-copy) measured about 0.5-0.85 of a raw ``batch_put_from``, the staged record
-0.87-0.98 (64 KiB pages, rounds interleaved). An upsert replaces a key already stored,
+0.87-0.98 timed as whole rows per round and 0.75-0.80 paired batch by batch (64 KiB
+pages; docs/storage.md says where the rest goes: one more 64 KiB socket piece for the
+header, and the copy). An upsert replaces a key already stored,
 so a record that is corrupt or another writer's heals on the next write of its key,
 and it does not wait for a reader's lease. Mooncake answers per key, so a batch that
 is stored in part raises :class:`~kvoffload.errors.PartialWriteError` (``stored``: one
