@@ -52,7 +52,9 @@ sends the records, one transfer each. Mooncake 0.3.13 moves every buffer of a
 multi-buffer call as a transfer of its own, and over TCP a header's transfer costs
 more than a memcpy of the page: ``batch_put_from_multi_buffers`` with the page in place
 (zero-copy) measured about 0.5-0.85 of a raw ``batch_put_from``, the staged record
-0.87-0.98 (64 KiB pages, rounds interleaved). An upsert replaces a key already stored,
+0.87-0.98 timed as whole rows per round and 0.75-0.80 paired batch by batch (64 KiB
+pages; docs/storage.md says where the rest goes: one more 64 KiB socket piece for the
+header, and the copy). An upsert replaces a key already stored,
 so a record that is corrupt or another writer's heals on the next write of its key,
 and it does not wait for a reader's lease. Mooncake answers per key, so a batch that
 is stored in part raises :class:`~kvoffload.errors.PartialWriteError` (``stored``: one
@@ -586,16 +588,19 @@ class MooncakeStore(Storage):
     def _put_sync(self, keys: list[str], views: list[memoryview]) -> None:
         """Each record (header with its checksum, then the page) staged whole in a
         registered arena, then one ``batch_upsert_from``: one transfer per page, and a key
-        already stored is replaced."""
+        already stored is replaced. Page by page, the checksum is taken from the host page
+        and the page copied right after, while it is still in the cache."""
         names = self._k(keys)
-        heads = [encode_header(k, v) for k, v in zip(keys, views, strict=True)]
-        lens = [len(h) + v.nbytes for h, v in zip(heads, views, strict=True)]
+        lens = [header_size(k) + v.nbytes for k, v in zip(keys, views, strict=True)]
         with self._arena(sum(lens)) as arena:
-            buf, off = arena.buf, 0
+            buf: memoryview = arena.buf.data
+            off = 0
             at: list[int] = []
-            for h, v, n in zip(heads, views, lens, strict=True):
-                buf[off : off + len(h)] = memoryview(h)
-                buf[off + len(h) : off + n] = v
+            for k, v, n in zip(keys, views, lens, strict=True):
+                h = encode_header(k, v)
+                hl = len(h)
+                buf[off : off + hl] = h
+                buf[off + hl : off + n] = v
                 at.append(arena.ptr + off)
                 off += n
             codes = [int(c) for c in self._client.batch_upsert_from(names, at, lens, self._config())]
@@ -670,23 +675,22 @@ class MooncakeStore(Storage):
             self._note(codes)
             view: memoryview = arena.buf.data
             n = 0
-            for key, o, h, c, off in zip(keys, outs, hlens, codes, offs, strict=True):
-                if c < 0:  # missing, another size (a failed transfer), or the master is gone
-                    if c in _UNREACHABLE and n == 0:
-                        raise self._error("read", error_name(int(c)))
-                    break
-                found = payload_offset(key, view[off : off + h], int(c))
-                if found is None or found.length != o.nbytes:
-                    break
-                payload = view[off + h : off + h + o.nbytes]
-                if self.verify and not intact(found, payload):
-                    break
-                n += 1
-            with gate.lock:
+            with gate.lock:  # page by page: checked, then copied while still in the cache
                 if gate.closed:
                     return 0
-                for o, off, h in zip(outs[:n], offs, hlens, strict=False):
-                    o[:] = view[off + h : off + h + o.nbytes]
+                for key, o, h, c, off in zip(keys, outs, hlens, codes, offs, strict=True):
+                    if c < 0:  # missing, another size (a failed transfer), or the master is gone
+                        if c in _UNREACHABLE and n == 0:
+                            raise self._error("read", error_name(int(c)))
+                        break
+                    found = payload_offset(key, view[off : off + h], int(c))
+                    if found is None or found.length != o.nbytes:
+                        break
+                    payload = view[off + h : off + h + o.nbytes]
+                    if self.verify and not intact(found, payload):
+                        break
+                    o[:] = payload
+                    n += 1
         return n
 
     async def exists_prefix(self, keys: Sequence[str]) -> int:
