@@ -9,12 +9,12 @@ of its shard finishes, and when its storage write does. A rank therefore holds i
 own completions back, and each collective call is ONE all-reduce (MIN) of a fixed
 vector of ``2 * tp_window + HEADER`` int64:
 
-- the header: the call's kind, the next ``seq``, transfers in flight, storage writes
-  pending, lifecycles admitted - each sent as ``x`` and ``-x``, so the one MIN yields
-  their min and max, equal on replicas (else :class:`~kvoffload.RanksDiverged` on
-  every rank) -; the delivery limit (MIN of ``max_completions``); the elapsed time
-  (MIN: the agreed clock); "my deadline passed" (sent negated: MAX); a payload (pages
-  found by ``lookup``/``fetch``: MIN);
+- the header: the call's kind and number (skipped polls counted), the next ``seq``,
+  transfers in flight, storage writes pending, lifecycles admitted - each sent as
+  ``x`` and ``-x``, so the one MIN yields their min and max, equal on replicas (else
+  :class:`~kvoffload.RanksDiverged` on every rank) -; the delivery limit (MIN of
+  ``max_completions``); the elapsed time (MIN: the agreed clock); "my deadline
+  passed" (sent negated: MAX); a payload (pages found by ``lookup``/``fetch``: MIN);
 - ``copies``: slot ``i`` is the ``i``-th oldest transfer in flight (by ``seq``): 0 not
   finished here, 1 failed here, 2 copied here;
 - ``writes``: slot ``i`` is the ``i``-th oldest storage write: 0 not finished here,
@@ -43,6 +43,32 @@ per-transfer messages). Host pages come back only at agreed points (an agreed
 delivery or write), and time-based decisions (deferral expiry, the watchdog) read
 the agreed clock, so every rank's drops and deferrals - and so its next transfers -
 stay the same.
+
+Polls that skip. A :meth:`RankAgreement.exchange` of kind ``poll`` skips the
+all-reduce, on every rank alike, when all of these hold:
+
+- nothing is in flight, no storage write is pending and no chunk is deferred (the
+  core's ``inflight``, ``writes`` and ``deferred``: replicated state, the same on every
+  rank after the same calls - the header checks the first two at every collective);
+- nothing was submitted or admitted since the last collective (``next_seq`` and the
+  lifecycles admitted equal what the last collective agreed on, so the first poll
+  after any new transfer or admission runs the collective and its replica check);
+- fewer than :data:`IDLE_SKIPS` polls in a row skipped (then one runs).
+
+Why it is safe (F25): the decision reads only state every rank shares and this
+rank's record of those same decisions - never whether a copy or a write finished
+here, which differs per rank - so ranks that make the same calls skip the same polls.
+A poll that skips has nothing to deliver on any rank (nothing is in flight or
+pending anywhere), so every completion is delivered at the same poll as without the
+skip. What a skipped poll does not move is the agreed clock: it stays as the last
+collective left it, for at most :data:`IDLE_SKIPS` polls and only while nothing is in
+flight, pending or deferred (nothing then reads it but the timestamps of calls made
+meanwhile, which are the same on every rank). Ranks whose calls differ (a caller's
+bug) may decide differently: every collective's header carries the call's number
+(skipped polls counted), so the next collective of the rank that skipped pairs with
+the other's earlier one, their numbers differ, and every rank raises
+:class:`~kvoffload.RanksDiverged` - at most :data:`IDLE_SKIPS` polls later, never a
+hang (a rank that stops calling is a :class:`~kvoffload.RankTimeout`, as before).
 """
 
 from __future__ import annotations
@@ -74,6 +100,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEADER",
+    "IDLE_SKIPS",
     "SHARED_SETTINGS",
     "RankAgreement",
     "agree_settings",
@@ -109,6 +136,11 @@ _CHECKED = (
 #: 0 until finished here, then 1 + its pages stored here: :func:`_write_code`.)
 _WAITING, _FAILED, _DONE = 0, 1, 2
 _NO_LIMIT = 1 << 62
+#: Bits of the header's kind slot that hold the kind; the rest hold the call's number.
+_KIND_BITS = 3
+#: Polls in a row that may skip the collective when there is nothing to agree on (see
+#: "Polls that skip" in the module doc); the next one runs it.
+IDLE_SKIPS = 8
 
 
 def _failed_elsewhere(t: Transfer) -> BackendError:
@@ -189,6 +221,8 @@ SHARED_SETTINGS = (
     "tp_keys",
     "tp_window",
 )
+#: The agreement's version: 2 numbers the calls in the header and lets idle polls skip.
+_PROTOCOL = 2
 #: int64 slots of the settings digest: fixed, whatever the settings, so that ranks of
 #: other kvoffload versions still exchange buffers of one size (slot 0: the protocol).
 _DIGEST_SLOTS = 32
@@ -203,7 +237,7 @@ def _digest(value: object) -> int:
 def settings_digest(config: OffloadConfig) -> list[int]:
     """What ranks compare at construction: the protocol (the header's size and the
     settings' names), then a digest of each of :data:`SHARED_SETTINGS`."""
-    head = _digest((HEADER, SHARED_SETTINGS))
+    head = _digest((HEADER, SHARED_SETTINGS, _PROTOCOL))
     return [head, *(_digest(getattr(config, name)) for name in SHARED_SETTINGS)]
 
 
@@ -331,6 +365,18 @@ class RankAgreement:
         # writes: this rank's finished storage writes not yet agreed, by job id.
         # Invariant: set(self.writes) <= set(core.writes)
         self.writes: dict[int, WriteResult] = {}
+        # calls: the collective calls this rank made, skipped polls included (sent in
+        # the header's kind slot: ranks a call apart raise RanksDiverged).
+        # Invariant: the same on every rank between calls, while their calls are the same.
+        self.calls = 0
+        # skipped: the polls skipped in a row since the last collective; polls_skipped:
+        # all of them; _agreed: (next_seq, lifecycles admitted) as the last collective
+        # agreed them (None before the first). See "Polls that skip" in the module doc.
+        # Invariant: 0 <= skipped <= IDLE_SKIPS; skipped, polls_skipped and _agreed are
+        # computed from replicated state only, so they are the same on every rank.
+        self.skipped = 0
+        self.polls_skipped = 0
+        self._agreed: tuple[int, int] | None = None
         # failed: the error that broke the group (a timeout, a dead peer, diverged
         # ranks); every collective after it raises at once, and close() runs alone.
         self.failed: KVOffloadError | None = None
@@ -433,10 +479,25 @@ class RankAgreement:
         a = self._a
         seq, inflight, writes = core.next_seq, len(core.inflight), len(core.writes)
         admitted = core.counters.admitted
+        self.calls += 1
+        if (
+            kind == POLL
+            and not solo
+            and self.skipped < IDLE_SKIPS
+            and not inflight
+            and not writes
+            and not core.deferred
+            and self._agreed == (seq, admitted)
+        ):  # nothing to agree on, on any rank (the module doc: "Polls that skip")
+            self.skipped += 1
+            self.polls_skipped += 1
+            return Agreed([], [], False, 0)
+        self.skipped = 0
+        call = kind | self.calls << _KIND_BITS
         elapsed = max(0, int((self._local_clock() - self._origin) * 1e6))
         lim = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
         a[:HEADER] = [
-            *(kind, -kind, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
+            *(call, -call, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
             *(lim, elapsed, -int(late), payload),
         ]
         # A slot this rank holds nothing for is 0 here, so 0 after the MIN: only the
@@ -462,6 +523,7 @@ class RankAgreement:
         h = a[:HEADER].tolist()
         if not solo:
             self._check_replicas(kind, h)
+            self._agreed = (seq, admitted)
         self.now = max(self.now, h[_ELAPSED] / 1e6)
         agreed = Agreed([], [], bool(h[_LATE]), h[_PAYLOAD])
         if window or jobs:
@@ -544,9 +606,16 @@ class RankAgreement:
     def _check_replicas(self, kind: int, h: list[int]) -> None:
         problems = []
         lo, hi = h[_KIND], -h[_KIND + 1]
-        if lo != hi:
+        mask = (1 << _KIND_BITS) - 1
+        if lo & mask != hi & mask:
             problems.append(
-                f"the ranks called different collectives ({KIND_NAMES[lo]}() and {KIND_NAMES[hi]}())"
+                f"the ranks called different collectives ({KIND_NAMES.get(lo & mask, '?')}() and "
+                f"{KIND_NAMES.get(hi & mask, '?')}())"
+            )
+        if lo >> _KIND_BITS != hi >> _KIND_BITS:
+            problems.append(
+                f"the ranks are at different collective calls (call {lo >> _KIND_BITS} to "
+                f"{hi >> _KIND_BITS}: one made more calls, or skipped a poll another ran)"
             )
         for i, what in _CHECKED:
             lo, hi = h[i], -h[i + 1]
