@@ -22,14 +22,18 @@ def _config() -> kvo.OffloadConfig:
     )
 
 
-def decode_with_quiet_stretches(ctx: RankContext, seed: int, skips: int | None) -> dict[str, Any]:
+def decode_with_quiet_stretches(
+    ctx: RankContext, seed: int, skips: int | None, full_every: int | None = None
+) -> dict[str, Any]:
     """Play one schedule (the same on every rank, from ``seed``): requests arrive,
     decode, go quiet for stretches of steps, finish; each rank's copies finish at
     rank-specific random steps. ``skips``: ``IDLE_SKIPS`` on this rank (None: as
-    shipped; 0: never skip). Returns, per poll, whether it skipped, what it delivered
-    and which lifecycles it released; and the skipped total."""
-    if skips is not None:
-        distributed.IDLE_SKIPS = skips
+    shipped; 0: never skip); ``full_every``: ``FULL_EVERY`` (None: as shipped; 1: every
+    call takes the full exchange). Returns, per poll, whether it skipped, what it
+    delivered and which lifecycles it released; the skipped total; the calls the compact
+    exchange decided alone."""
+    distributed.IDLE_SKIPS = 8 if skips is None else skips  # (the pool's processes are reused)
+    distributed.FULL_EVERY = 64 if full_every is None else full_every
     shared = random.Random(seed)
     local = random.Random(f"{seed}/{ctx.rank}")
     backend = SimBackend()
@@ -76,15 +80,14 @@ def decode_with_quiet_stretches(ctx: RankContext, seed: int, skips: int | None) 
         mgr.quiesce(30)
     finally:
         mgr.close()
-    return {"polls": polls, "skipped": tp.polls_skipped}
+    return {"polls": polls, "skipped": tp.polls_skipped, "compact": tp.compact_agreed, "calls": tp.calls}
 
 
 def one_rank_never_skips(ctx: RankContext) -> dict[str, Any]:
     """Rank 1 never skips (``IDLE_SKIPS`` 0 there: a schedule computed differently),
     rank 0 skips as shipped; both poll with nothing to agree on. Returns the poll
     (1-based) at which this rank raised, and what."""
-    if ctx.rank == 1:
-        distributed.IDLE_SKIPS = 0
+    distributed.IDLE_SKIPS = 0 if ctx.rank == 1 else 8
     mgr = kvo.SyncOffloadManager(_config(), backend=SimBackend(), group=ctx.group)
     mgr.open()
     out: dict[str, Any] = {"raised_at": None, "error": ""}

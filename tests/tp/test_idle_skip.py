@@ -72,3 +72,26 @@ def test_a_rank_that_runs_the_collective_while_another_skips_raises_ranks_diverg
     for o in out:
         assert o["error"].startswith("RanksDiverged"), o
         assert "different collective calls" in o["error"], o
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("seed", [3, 11])
+def test_the_compact_exchange_delivers_what_the_full_one_does_at_every_poll(
+    size: int, seed: int, ranks: Callable[[int], LocalRanks]
+) -> None:
+    """F25: every call starts with the compact exchange (2 int64) and goes on to the
+    full one only when the MIN says a rank needs it (a failure, a copy finished out of
+    order, differing state). The same schedule and per-rank copy timing with the
+    compact exchange as shipped and with every call taking the full exchange
+    (FULL_EVERY 1): every poll delivers the same completions and releases the same
+    lifecycles on every rank, and the compact exchange decided some calls alone (the
+    same number on every rank) while others went on to the full one."""
+    pool = ranks(size)
+    compact = pool.run(decode_with_quiet_stretches, seed, None, None)
+    full = pool.run(decode_with_quiet_stretches, seed, None, 1)
+    assert all(o["compact"] == 0 for o in full)
+    assert len({o["compact"] for o in compact}) == 1
+    o = compact[0]
+    assert 0 < o["compact"] < o["calls"] - o["skipped"], o  # (quiesce and close: the full one)
+    for a, b in zip(compact, full, strict=True):
+        assert a["polls"] == b["polls"]
