@@ -52,14 +52,20 @@ SGLang's check of its two ack-queue lengths - and goes on to the full vector abo
 only when that one says so. Each word is a 16-bit digest of the call (kind, number)
 and of the replicated header state (the second word's negated) above 47 bits of
 fields; after the MIN the two digests agree iff every rank sent the same one, and
-then the fields below are the true MIN over the ranks (a MIN of words with equal high
-bits is decided by the low bits). The fields: "I need the full exchange" (a bit sent
-clear), the leading copies of the window this rank finished all copied (at most its
-``max_completions``), the leading storage writes it stored in full, its clock (ms).
+then the fields below are decided by the MIN as a number (a MIN of words with equal
+high bits is decided by the low bits). The fields, highest first: in the first word
+"I need the full exchange" (a bit sent clear), then the leading copies of the window
+this rank finished all copied (at most its ``max_completions``): the true minimum
+over the ranks once no rank needs the full exchange; in the second word the leading
+storage writes it stored in full (the true minimum), then its clock (ms): the
+smallest among the ranks with that fewest writes - one rank's clock, the same on
+every rank, which is all the agreed clock must be (it never goes back: the largest
+seen so far).
 A rank needs the full exchange when it holds a failed copy or write, a partial write,
 or one finished out of order (beyond that leading run), in calls other than
-``poll``, when its clock passed the field's range, and every :data:`FULL_EVERY`
-calls. When the digests agree and no rank needs it, every rank delivers the leading
+``poll``, when its clock passed the field's range, and in each call whose number is a
+multiple of :data:`FULL_EVERY` (unless that call is a poll that skips). When the
+digests agree and no rank needs it, every rank delivers the leading
 copies and writes every rank finished - exactly the set the full exchange would
 deliver, since no rank finished any other - and the full exchange does not run; else
 every rank runs it (each reads the same MIN), with its exact replica check. Both
@@ -172,8 +178,8 @@ _C_COPIES = 33  # first word: the copies every rank may deliver, 13 bits
 _C_WRITES = 34  # second word: the writes every rank stored, 13 bits, above the clock
 _C_COUNT = (1 << 13) - 1
 _C_CLOCK = (1 << 34) - 1  # second word: the clock, ms (past it: the full exchange)
-#: Every this many calls, the full exchange runs (its exact replica check), whatever
-#: the compact one found.
+#: A call whose number is a multiple of this runs the full exchange (its exact replica
+#: check) whatever the compact one found (unless it is a poll that skips).
 FULL_EVERY = 64
 #: Polls in a row that may skip the collective when there is nothing to agree on (see
 #: "Polls that skip" in the module doc); the next one runs it.
