@@ -14,8 +14,8 @@ trees' turns alternating in order every round; the copies end untimed, their del
 after/before - on a shared machine absolute times drift by 2x between minutes, the
 ratio of neighbours does not - and the run checks that both trees did the same work:
 
-    ratio after/before per-request: X
-    ratio after/before batched: Y
+    ratio after/before per-request: X (target <= 1.05: ok; rounds A..B (N))
+    ratio after/before batched: Y (target <= 1.05: ok; rounds A..B (N))
 
 Only public API is used, so any two trees since v2 can be compared. Target of issue 21:
 both within 1.05.
@@ -32,8 +32,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from _machine import describe, target_line
+
 N, PAGE, STRIDE = 512, 16, 64
 KINDS = ("per-request", "batched")
+#: Issue 21's target: after/before within 1.05.
+TARGET = 1.05
 
 
 def _ours(name: str) -> bool:
@@ -117,6 +121,7 @@ def main() -> None:
     ap.add_argument("after", type=Path)
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
+    print(describe())
     sides = {
         name: Side(load(tree), args.rounds + 1)
         for name, tree in (("before", args.before), ("after", args.after))
@@ -150,7 +155,7 @@ def main() -> None:
         q = statistics.quantiles(rs, n=4)
         print(f"  per-round ratios {kind}: quartiles {q[0]:.3f} {q[1]:.3f} {q[2]:.3f}")
     for kind, rs in ratios.items():
-        print(f"ratio after/before {kind}: {statistics.median(rs):.3f}")
+        print(target_line(f"ratio after/before {kind}", statistics.median(rs), TARGET, at_most=True, xs=rs))
 
 
 if __name__ == "__main__":

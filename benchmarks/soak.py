@@ -21,6 +21,7 @@ import sys
 import time
 import tracemalloc
 import weakref
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -132,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=64)
     args = ap.parse_args(argv)
+    if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (tests/property)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _machine import describe, spread, verdict
+
+    print(describe())
     # An application configures logging: warnings only (kvoffload's debug events are
     # then never built), as a serving process would run.
     wrapper = structlog.get_config()["wrapper_class"]
@@ -161,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     cps = out["checkpoints"]
     base = cps[1][1] if len(cps) > 1 else cps[0][1]
-    growth = max(b for _, b, _ in cps[1:]) - base if len(cps) > 1 else 0
+    growths = [b - base for _, b, _ in cps[1:]]
+    growth = max(growths) if growths else 0
     checks["memory after GC flat (growth after warm-up < 512 KiB)"] = growth < 512 * 1024
     print(
         f"soak: {args.requests} requests, seed {args.seed}, concurrency {args.concurrency}, {elapsed:.1f} s"
@@ -189,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sampled released lifecycles still alive: {out['sampled_alive']} of {out['sampled']}")
     print("  traced memory after gc.collect() (requests admitted: KiB, live lifecycles):")
     print("    " + ", ".join(f"{n}: {b / 1024:.0f} ({live})" for n, b, live in cps))
-    print(f"  growth after the first checkpoint: {growth / 1024:.1f} KiB")
+    print(
+        f"  growth after the first checkpoint: {growth / 1024:.1f} KiB (target < 512 KiB: "
+        f"{verdict(growth < 512 * 1024)}; checkpoints: {spread([g / 1024 for g in growths], '.1f')} KiB)"
+    )
     for name, ok in checks.items():
-        print(f"  [{'ok' if ok else 'FAIL'}] {name}")
+        print(f"  [{verdict(ok)}] {name}")
     return 0 if all(checks.values()) else 1
 
 

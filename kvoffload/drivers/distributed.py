@@ -6,15 +6,16 @@ Where it runs: on each rank's owner thread, inside ``poll()``, ``quiesce()``,
 scheduler, so every rank's core gets the same calls and makes the same transfers in
 the same order (``Transfer.seq``). What differs per rank is when, and whether, its copy
 of its shard finishes, and when its storage write does. A rank therefore holds its
-own completions back, and each collective call is ONE all-reduce (MIN) of a fixed
-vector of ``2 * tp_window + HEADER`` int64:
+own completions back, and each collective call agrees through an all-reduce (MIN) of
+a fixed vector of ``2 * tp_window + HEADER`` int64 (most polls through a 2-int64 one
+instead: "The compact exchange" below):
 
-- the header: the call's kind, the next ``seq``, transfers in flight, storage writes
-  pending, lifecycles admitted - each sent as ``x`` and ``-x``, so the one MIN yields
-  their min and max, equal on replicas (else :class:`~kvoffload.RanksDiverged` on
-  every rank) -; the delivery limit (MIN of ``max_completions``); the elapsed time
-  (MIN: the agreed clock); "my deadline passed" (sent negated: MAX); a payload (pages
-  found by ``lookup``/``fetch``: MIN);
+- the header: the call's kind and number (skipped polls counted), the next ``seq``,
+  transfers in flight, storage writes pending, lifecycles admitted - each sent as
+  ``x`` and ``-x``, so the one MIN yields their min and max, equal on replicas (else
+  :class:`~kvoffload.RanksDiverged` on every rank) -; the delivery limit (MIN of
+  ``max_completions``); the elapsed time (MIN: the agreed clock); "my deadline
+  passed" (sent negated: MAX); a payload (pages found by ``lookup``/``fetch``: MIN);
 - ``copies``: slot ``i`` is the ``i``-th oldest transfer in flight (by ``seq``): 0 not
   finished here, 1 failed here, 2 copied here;
 - ``writes``: slot ``i`` is the ``i``-th oldest storage write: 0 not finished here,
@@ -43,6 +44,61 @@ per-transfer messages). Host pages come back only at agreed points (an agreed
 delivery or write), and time-based decisions (deferral expiry, the watchdog) read
 the agreed clock, so every rank's drops and deferrals - and so its next transfers -
 stay the same.
+
+The compact exchange. gloo's ring all-reduce costs by the vector's length up to the
+group's size (on a 2-core VM at 4 ranks: 2 entries about 0.7 ms, the full vector 4-6
+ms), so every collective call starts with an all-reduce (MIN) of 2 int64 - as
+SGLang's check of its two ack-queue lengths - and goes on to the full vector above
+only when that one says so. Each word is a 16-bit digest of the call (kind, number)
+and of the replicated header state (the second word's negated) above 47 bits of
+fields; after the MIN the two digests agree iff every rank sent the same one, and
+then the fields below are decided by the MIN as a number (a MIN of words with equal
+high bits is decided by the low bits). The fields, highest first: in the first word
+"I need the full exchange" (a bit sent clear), then the leading copies of the window
+this rank finished all copied (at most its ``max_completions``): the true minimum
+over the ranks once no rank needs the full exchange; in the second word the leading
+storage writes it stored in full (the true minimum), then its clock (ms): the
+smallest among the ranks with that fewest writes - one rank's clock, the same on
+every rank, which is all the agreed clock must be (it never goes back: the largest
+seen so far).
+A rank needs the full exchange when it holds a failed copy or write, a partial write,
+or one finished out of order (beyond that leading run), in calls other than
+``poll``, when its clock passed the field's range, and in each call whose number is a
+multiple of :data:`FULL_EVERY` (unless that call is a poll that skips). When the
+digests agree and no rank needs it, every rank delivers the leading
+copies and writes every rank finished - exactly the set the full exchange would
+deliver, since no rank finished any other - and the full exchange does not run; else
+every rank runs it (each reads the same MIN), with its exact replica check. Both
+vectors always pair: every call starts with the 2-word one, and whether the full one
+follows is read from it. A digest collision lets differing ranks through one compact
+exchange (a chance of 2**-16 per call, only for ranks whose calls already differ);
+the full exchange every :data:`FULL_EVERY` calls still raises RanksDiverged.
+
+Polls that skip. A :meth:`RankAgreement.exchange` of kind ``poll`` skips the
+all-reduce, on every rank alike, when all of these hold:
+
+- nothing is in flight, no storage write is pending and no chunk is deferred (the
+  core's ``inflight``, ``writes`` and ``deferred``: replicated state, the same on every
+  rank after the same calls - the header checks the first two at every collective);
+- nothing was submitted or admitted since the last collective (``next_seq`` and the
+  lifecycles admitted equal what the last collective agreed on, so the first poll
+  after any new transfer or admission runs the collective and its replica check);
+- fewer than :data:`IDLE_SKIPS` polls in a row skipped (then one runs).
+
+Why it is safe (F25): the decision reads only state every rank shares and this
+rank's record of those same decisions - never whether a copy or a write finished
+here, which differs per rank - so ranks that make the same calls skip the same polls.
+A poll that skips has nothing to deliver on any rank (nothing is in flight or
+pending anywhere), so every completion is delivered at the same poll as without the
+skip. What a skipped poll does not move is the agreed clock: it stays as the last
+collective left it, for at most :data:`IDLE_SKIPS` polls and only while nothing is in
+flight, pending or deferred (nothing then reads it but the timestamps of calls made
+meanwhile, which are the same on every rank). Ranks whose calls differ (a caller's
+bug) may decide differently: every collective's header carries the call's number
+(skipped polls counted), so the next collective of the rank that skipped pairs with
+the other's earlier one, their numbers differ, and every rank raises
+:class:`~kvoffload.RanksDiverged` - at most :data:`IDLE_SKIPS` polls later, never a
+hang (a rank that stops calling is a :class:`~kvoffload.RankTimeout`, as before).
 """
 
 from __future__ import annotations
@@ -74,6 +130,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEADER",
+    "IDLE_SKIPS",
     "SHARED_SETTINGS",
     "RankAgreement",
     "agree_settings",
@@ -109,6 +166,24 @@ _CHECKED = (
 #: 0 until finished here, then 1 + its pages stored here: :func:`_write_code`.)
 _WAITING, _FAILED, _DONE = 0, 1, 2
 _NO_LIMIT = 1 << 62
+#: Bits of the header's kind slot that hold the kind; the rest hold the call's number.
+_KIND_BITS = 3
+#: The compact exchange's layout (module doc): each of its 2 int64 is a 16-bit digest
+#: of the call and the replicated state (the second negated) above 47 bits of fields.
+_C_LOW = 47
+_C_MASK = (1 << _C_LOW) - 1
+_C_HASH = (1 << 16) - 1
+_C_OK = 1 << 46  # first word: set unless this rank needs the full exchange
+_C_COPIES = 33  # first word: the copies every rank may deliver, 13 bits
+_C_WRITES = 34  # second word: the writes every rank stored, 13 bits, above the clock
+_C_COUNT = (1 << 13) - 1
+_C_CLOCK = (1 << 34) - 1  # second word: the clock, ms (past it: the full exchange)
+#: A call whose number is a multiple of this runs the full exchange (its exact replica
+#: check) whatever the compact one found (unless it is a poll that skips).
+FULL_EVERY = 64
+#: Polls in a row that may skip the collective when there is nothing to agree on (see
+#: "Polls that skip" in the module doc); the next one runs it.
+IDLE_SKIPS = 8
 
 
 def _failed_elsewhere(t: Transfer) -> BackendError:
@@ -189,6 +264,8 @@ SHARED_SETTINGS = (
     "tp_keys",
     "tp_window",
 )
+#: The agreement's version: 2 numbers the calls in the header and lets idle polls skip.
+_PROTOCOL = 2
 #: int64 slots of the settings digest: fixed, whatever the settings, so that ranks of
 #: other kvoffload versions still exchange buffers of one size (slot 0: the protocol).
 _DIGEST_SLOTS = 32
@@ -203,7 +280,7 @@ def _digest(value: object) -> int:
 def settings_digest(config: OffloadConfig) -> list[int]:
     """What ranks compare at construction: the protocol (the header's size and the
     settings' names), then a digest of each of :data:`SHARED_SETTINGS`."""
-    head = _digest((HEADER, SHARED_SETTINGS))
+    head = _digest((HEADER, SHARED_SETTINGS, _PROTOCOL))
     return [head, *(_digest(getattr(config, name)) for name in SHARED_SETTINGS)]
 
 
@@ -314,6 +391,8 @@ class RankAgreement:
             agree_settings(group, config, self.rank, self.size)  # before any buffer sized by them
         self._buf = torch.zeros(HEADER + 2 * self.window, dtype=torch.int64)
         self._a = self._buf.numpy()  # the same memory: filled and read without torch ops
+        self._cbuf = torch.zeros(2, dtype=torch.int64)  # the compact exchange's
+        self._c = self._cbuf.numpy()
         # _named: how many copy and write slots the last call named (the rest are 0).
         self._named = (0, 0)
         opts = dist.AllreduceOptions()
@@ -331,6 +410,21 @@ class RankAgreement:
         # writes: this rank's finished storage writes not yet agreed, by job id.
         # Invariant: set(self.writes) <= set(core.writes)
         self.writes: dict[int, WriteResult] = {}
+        # calls: the collective calls this rank made, skipped polls included (sent in
+        # the header's kind slot: ranks a call apart raise RanksDiverged).
+        # Invariant: the same on every rank between calls, while their calls are the same.
+        self.calls = 0
+        # skipped: the polls skipped in a row since the last collective; polls_skipped:
+        # all of them; _agreed: (next_seq, lifecycles admitted) as the last collective
+        # agreed them (None before the first). See "Polls that skip" in the module doc.
+        # Invariant: 0 <= skipped <= IDLE_SKIPS; skipped, polls_skipped and _agreed are
+        # computed from replicated state only, so they are the same on every rank.
+        self.skipped = 0
+        self.polls_skipped = 0
+        self._agreed: tuple[int, int] | None = None
+        # compact_agreed: the calls the compact exchange decided alone (no full one).
+        # Invariant: the same on every rank (each call's path is read from the MIN).
+        self.compact_agreed = 0
         # failed: the error that broke the group (a timeout, a dead peer, diverged
         # ranks); every collective after it raises at once, and close() runs alone.
         self.failed: KVOffloadError | None = None
@@ -433,10 +527,29 @@ class RankAgreement:
         a = self._a
         seq, inflight, writes = core.next_seq, len(core.inflight), len(core.writes)
         admitted = core.counters.admitted
+        self.calls += 1
+        if (
+            kind == POLL
+            and not solo
+            and self.skipped < IDLE_SKIPS
+            and not inflight
+            and not writes
+            and not core.deferred
+            and self._agreed == (seq, admitted)
+        ):  # nothing to agree on, on any rank (the module doc: "Polls that skip")
+            self.skipped += 1
+            self.polls_skipped += 1
+            return Agreed([], [], False, 0)
+        self.skipped = 0
         elapsed = max(0, int((self._local_clock() - self._origin) * 1e6))
+        if not solo:
+            fast = self._compact(kind, core, limit, elapsed, (seq, inflight, writes, admitted))
+            if fast is not None:
+                return fast
+        call = kind | self.calls << _KIND_BITS
         lim = _NO_LIMIT if limit is None else min(limit, _NO_LIMIT)
         a[:HEADER] = [
-            *(kind, -kind, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
+            *(call, -call, seq, -seq, inflight, -inflight, writes, -writes, admitted, -admitted),
             *(lim, elapsed, -int(late), payload),
         ]
         # A slot this rank holds nothing for is 0 here, so 0 after the MIN: only the
@@ -462,11 +575,72 @@ class RankAgreement:
         h = a[:HEADER].tolist()
         if not solo:
             self._check_replicas(kind, h)
+            self._agreed = (seq, admitted)
         self.now = max(self.now, h[_ELAPSED] / 1e6)
         agreed = Agreed([], [], bool(h[_LATE]), h[_PAYLOAD])
         if window or jobs:
             self._take_agreed(window, jobs, h[_LIMIT], agreed)
         return agreed
+
+    def _compact(
+        self, kind: int, core: OffloadCore, limit: int | None, elapsed_us: int, state: tuple[int, ...]
+    ) -> Agreed | None:
+        """The compact exchange every collective call starts with (see "The compact
+        exchange" in the module doc): one all-reduce (MIN) of 2 int64. Returns what it
+        agreed, or None when every rank must go on to the full exchange (the same
+        answer on every rank: it is read from the MIN)."""
+        need = kind != POLL or self.calls % FULL_EVERY == 0
+        window: list[Transfer] = []
+        ok = 0  # the leading copies of the window this rank finished, all copied
+        held = self.copies
+        if held:
+            window = list(itertools.islice(core.inflight.values(), self.window))
+            for t in window:
+                c = held.get(t.seq)
+                if c is None or c[1] is not None:
+                    break
+                ok += 1
+            if ok < len(window) and len(held) > ok:  # a failure, or finished out of order
+                need = True
+        jobs: list[WriteJob] = []
+        stored = 0  # the leading writes of the window this rank stored in full
+        done = self.writes
+        if done:
+            jobs = list(itertools.islice(core.writes.values(), self.window))
+            for j in jobs:
+                r = done.get(j.id)
+                if r is None or stored_prefix(r) != len(j.host_pages):
+                    break
+                stored += 1
+            if stored < len(jobs) and len(done) > stored:  # a failure, a partial write, out of order
+                need = True
+        ms = elapsed_us // 1000
+        if ms > _C_CLOCK:
+            need = True
+            ms = _C_CLOCK
+        count = ok if limit is None else min(ok, limit)
+        x = (0 if need else _C_OK) | count << _C_COPIES
+        y = stored << _C_WRITES | ms
+        h = hash((kind, self.calls, *state)) & _C_HASH
+        words = self._c
+        words[0] = h << _C_LOW | x
+        words[1] = -h * (1 << _C_LOW) + y
+        self._all_reduce(kind, self._cbuf)
+        r0, r1 = words.tolist()
+        x, y = r0 & _C_MASK, r1 & _C_MASK
+        if r0 >> _C_LOW != -(r1 >> _C_LOW) or not x & _C_OK:
+            return None  # the ranks' states differ (or a rank asked): the full exchange
+        self.now = max(self.now, (y & _C_CLOCK) / 1e3)
+        self._agreed = (state[0], state[3])
+        self.compact_agreed += 1
+        out = Agreed([], [], False, 0)
+        pop, take = held.pop, out.copies.append
+        for t in window[: (x >> _C_COPIES) & _C_COUNT]:
+            take(pop(t.seq))
+        wpop, wtake = done.pop, out.writes.append
+        for j in jobs[: (y >> _C_WRITES) & _C_COUNT]:
+            wtake(wpop(j.id))
+        return out
 
     def _clear(self, copies: int, writes: int) -> None:
         """Zero the slots named last time and not this time (the MIN keeps a zero a
@@ -528,9 +702,10 @@ class RankAgreement:
                     error = StorageError(why)
             out.writes.append((job, stored, attempts, error))
 
-    def _all_reduce(self, kind: int) -> None:
+    def _all_reduce(self, kind: int, buf: Any = None) -> None:
+        """The all-reduce (MIN) of ``buf`` (the full vector by default) over the group."""
         try:
-            self.group.allreduce([self._buf], self._opts).wait()
+            self.group.allreduce([self._buf if buf is None else buf], self._opts).wait()
         except Exception as exc:  # gloo: a timeout, or a peer's connection closed
             raise self._fail(
                 RankTimeout(
@@ -544,9 +719,16 @@ class RankAgreement:
     def _check_replicas(self, kind: int, h: list[int]) -> None:
         problems = []
         lo, hi = h[_KIND], -h[_KIND + 1]
-        if lo != hi:
+        mask = (1 << _KIND_BITS) - 1
+        if lo & mask != hi & mask:
             problems.append(
-                f"the ranks called different collectives ({KIND_NAMES[lo]}() and {KIND_NAMES[hi]}())"
+                f"the ranks called different collectives ({KIND_NAMES.get(lo & mask, '?')}() and "
+                f"{KIND_NAMES.get(hi & mask, '?')}())"
+            )
+        if lo >> _KIND_BITS != hi >> _KIND_BITS:
+            problems.append(
+                f"the ranks are at different collective calls (call {lo >> _KIND_BITS} to "
+                f"{hi >> _KIND_BITS}: one made more calls, or skipped a poll another ran)"
             )
         for i, what in _CHECKED:
             lo, hi = h[i], -h[i + 1]

@@ -279,9 +279,11 @@ class SyncOffloadManager(DriverBase):
         the same point; every rank delivers the same completions (those finished on
         every rank; at most the smallest ``max_completions`` any rank passed) and
         releases the same lifecycles, in the same order. A chunk that failed on any rank
-        fails on every rank. What it sends is one all-reduce (MIN) of
+        fails on every rank. What it sends is an all-reduce (MIN) of 2 int64 (the
+        compact exchange), followed, only when that says so, by one of
         ``2 * tp_window + 14`` int64 - a header and a finished/failed slot per copy and
-        storage write of the oldest in flight - and why that is enough is told in
+        storage write of the oldest in flight; a poll with nothing to agree on may skip
+        both, on every rank alike. Why that is enough is told in
         :mod:`kvoffload.drivers.distributed`. Raises :class:`~kvoffload.RankTimeout` or
         :class:`~kvoffload.RanksDiverged` (nothing delivered) on every rank that sees it.
         """

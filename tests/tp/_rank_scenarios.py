@@ -23,7 +23,7 @@ class AgreesWithItself(RankAgreement):
     """The mutant: every rank delivers what it finished, without asking the others (no
     all-reduce: each rank's MIN is over itself alone). What kvoffload did before F25."""
 
-    def _all_reduce(self, kind: int) -> None:
+    def _all_reduce(self, kind: int, buf: Any = None) -> None:
         pass
 
 
