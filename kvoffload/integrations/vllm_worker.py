@@ -6,10 +6,11 @@ model runner's thread; copies and storage I/O run on threads of their own. A
 page = one vLLM block, every layer), the real host pool, a kvoffload copy backend
 (:class:`~kvoffload.backends.CpuBackend` for a CPU engine), the storage writer
 (:class:`~kvoffload.storage.writer.ThreadWriter`, whose event loop also serves the
-loads' reads) and one load thread. It does what the scheduler's
-:class:`~kvoffload.integrations.vllm_messages.StepPlan` says and reports back plain data
-(:class:`~kvoffload.integrations.vllm_messages.RankReport`, the request ids of finished
-loads and releases, and the blocks of failed loads).
+loads' reads from a store that only reads async) and its load threads (a store with
+blocking reads, the file store, is read there directly: :func:`blocking_reads`). It
+does what the scheduler's :class:`~kvoffload.integrations.vllm_messages.StepPlan` says
+and reports back plain data (:class:`~kvoffload.integrations.vllm_messages.RankReport`,
+the request ids of finished loads and releases, and the blocks of failed loads).
 
 When each job runs (vLLM's step on a worker: ``handle_preemptions``, ``start_load_kv``,
 the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
@@ -21,9 +22,10 @@ the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_erro
 - storage writes and loads start at ``start_load_kv``: a write reads host pages only;
   a load reads the store into host pages, then copies them into the request's blocks
   (one fused job: no scheduler round trip between the read and the copy). A
-  synchronous load (:attr:`LoadJob.sync`) runs there on the calling thread: vLLM calls
-  ``start_load_kv`` before the forward of a step with synchronous loads, and the
-  forward computes on the loaded KV; its request is not reported in
+  synchronous load (:attr:`LoadJob.sync`) runs there, the calling thread waiting for
+  it (on the file store its reads run on the load threads, at most ``io_timeout_s``):
+  vLLM calls ``start_load_kv`` before the forward of a step with synchronous loads,
+  and the forward computes on the loaded KV; its request is not reported in
   ``finished_recving``. An asynchronous one runs on the load thread (or inline with
   ``inline_loads``) and its request is reported once it ended. A cancelled load copies
   nothing that was not copied yet;
