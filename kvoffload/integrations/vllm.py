@@ -101,7 +101,6 @@ connector, logged once): multimodal requests and prompts given as embeddings.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Iterable
@@ -122,7 +121,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm_messages import RankReport, StepPlan
 from kvoffload.integrations.vllm_plan import Planner
 from kvoffload.integrations.vllm_settings import Settings
-from kvoffload.integrations.vllm_worker import Mover, block_tensors, open_store, rank_stores
+from kvoffload.integrations.vllm_worker import Mover, PrefixLookup, block_tensors, open_store, rank_stores
 from kvoffload.pools import HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy
 
@@ -233,6 +232,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.planner: Planner | None = None
         self.mover: Mover | None = None
         self._io: ThreadWriter | None = None
+        self._prefix: PrefixLookup | None = None  # the scheduler's lookup (on _io, or a thread of its own)
         self._stores: list[Storage] = []
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.on_load_error == "recompute" and ktc.kv_load_failure_policy != "recompute":
@@ -244,6 +244,7 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
             meta = HostPool.new(1, (1,), "uint8", buffer=torch.empty(0, device="meta"))
             self._io = ThreadWriter(store, meta, WritePolicy())
             self._io.start()
+            self._prefix = PrefixLookup(self._stores, self._io, self.settings.lookup_timeout_s)
             max_len = getattr(vllm_config.model_config, "max_model_len", None)
             self.planner = Planner(
                 block_size=self.block_size,
@@ -273,15 +274,8 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _lookup(self, keys: list[str]) -> int:
         """How many leading ``keys`` every rank's store has; bounded by lookup_timeout_s."""
-        assert self._io is not None
-        if not keys:
-            return 0
-        stores = self._stores
-
-        async def count() -> int:
-            return min(await asyncio.gather(*(s.exists_prefix(keys) for s in stores)))
-
-        return self._io.call(count(), self.settings.lookup_timeout_s)
+        assert self._prefix is not None
+        return self._prefix(keys)
 
     def _plan(self) -> Planner:
         assert self.planner is not None, "a scheduler-side call on the worker's connector"
@@ -453,6 +447,9 @@ class KVOffloadConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self.mover is not None:
             self.mover.close()
+        if self._prefix is not None:
+            self._prefix.close()
+            self._prefix = None
         if self._io is not None:
             self._io.stop()
             self._io.join(5.0)

@@ -6,10 +6,11 @@ model runner's thread; copies and storage I/O run on threads of their own. A
 page = one vLLM block, every layer), the real host pool, a kvoffload copy backend
 (:class:`~kvoffload.backends.CpuBackend` for a CPU engine), the storage writer
 (:class:`~kvoffload.storage.writer.ThreadWriter`, whose event loop also serves the
-loads' reads) and one load thread. It does what the scheduler's
-:class:`~kvoffload.integrations.vllm_messages.StepPlan` says and reports back plain data
-(:class:`~kvoffload.integrations.vllm_messages.RankReport`, the request ids of finished
-loads and releases, and the blocks of failed loads).
+loads' reads from a store that only reads async) and its load threads (a store with
+blocking reads, the file store, is read there directly: :func:`blocking_reads`). It
+does what the scheduler's :class:`~kvoffload.integrations.vllm_messages.StepPlan` says
+and reports back plain data (:class:`~kvoffload.integrations.vllm_messages.RankReport`,
+the request ids of finished loads and releases, and the blocks of failed loads).
 
 When each job runs (vLLM's step on a worker: ``handle_preemptions``, ``start_load_kv``,
 the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
@@ -21,9 +22,10 @@ the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_erro
 - storage writes and loads start at ``start_load_kv``: a write reads host pages only;
   a load reads the store into host pages, then copies them into the request's blocks
   (one fused job: no scheduler round trip between the read and the copy). A
-  synchronous load (:attr:`LoadJob.sync`) runs there on the calling thread: vLLM calls
-  ``start_load_kv`` before the forward of a step with synchronous loads, and the
-  forward computes on the loaded KV; its request is not reported in
+  synchronous load (:attr:`LoadJob.sync`) runs there, the calling thread waiting for
+  it (on the file store its reads run on the load threads, at most ``io_timeout_s``):
+  vLLM calls ``start_load_kv`` before the forward of a step with synchronous loads,
+  and the forward computes on the loaded KV; its request is not reported in
   ``finished_recving``. An asynchronous one runs on the load thread (or inline with
   ``inline_loads``) and its request is reported once it ended. A cancelled load copies
   nothing that was not copied yet;
@@ -38,16 +40,17 @@ out. Never wrong KV.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Storage, Transfer, WriteChain, WriteJob
 from kvoffload.core.events import logger
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, StorageError
 from kvoffload.integrations.vllm_messages import LoadJob, RankReport, StepPlan
 from kvoffload.pools import EnginePages, HostPool
 from kvoffload.storage.writer import ThreadWriter, WritePolicy, stored_prefix
@@ -57,7 +60,17 @@ if TYPE_CHECKING:
 
     from kvoffload.abc import EventBackend
 
-__all__ = ["Mover", "block_tensors", "copy_h2d", "h2d_runs", "open_store", "rank_stores"]
+__all__ = [
+    "BlockingReads",
+    "Mover",
+    "PrefixLookup",
+    "block_tensors",
+    "blocking_reads",
+    "copy_h2d",
+    "h2d_runs",
+    "open_store",
+    "rank_stores",
+]
 
 #: Fewest pages a synchronous load splits into two halves read and copied at once.
 _SPLIT_MIN = 8
@@ -106,6 +119,92 @@ def rank_stores(store: Storage, size: int) -> list[Storage]:
     if size <= 1:
         return [store]
     return [RankKeys(store, r, size) for r in range(size)]
+
+
+class BlockingReads:
+    """A store's reads that block the calling thread (no event loop, no thread hop):
+    ``count(keys)`` is its ``exists_prefix``, ``read(keys, parts)`` its
+    ``get_into_parts``, with the same checks. Only for a caller on a thread of its own
+    that bounds its own wait (:class:`PrefixLookup`, the :class:`Mover`'s load threads)."""
+
+    __slots__ = ("count", "read")
+
+    def __init__(
+        self, count: Callable[[list[str]], int], read: Callable[[list[str], list[list[memoryview]]], int]
+    ) -> None:
+        self.count = count
+        self.read = read
+
+
+def blocking_reads(store: Storage) -> BlockingReads | None:
+    """The blocking reads of ``store`` (the file store's ``blocking_exists_prefix`` /
+    ``blocking_get_into_parts``; through a rank's ``RankKeys`` view too, its keys
+    suffixed), or ``None`` for a store without them (its async reads are used)."""
+    from kvoffload.storage.rank_keys import RankKeys
+
+    inner, suffix = (store.inner, store.suffix) if isinstance(store, RankKeys) else (store, "")
+    count = getattr(inner, "blocking_exists_prefix", None)
+    read = getattr(inner, "blocking_get_into_parts", None)
+    if not (callable(count) and callable(read)):
+        return None
+    if not suffix:
+        return BlockingReads(count, read)
+    return BlockingReads(
+        lambda keys: int(count([k + suffix for k in keys])),
+        lambda keys, parts: int(read([k + suffix for k in keys], parts)),
+    )
+
+
+class PrefixLookup:
+    """The scheduler's lookup: how many leading ``keys`` every rank's store has, waited
+    for at most ``timeout_s`` (a store that fails or hangs is a miss to the caller: it
+    raises, and :meth:`~kvoffload.integrations.vllm_plan.Planner.matched` counts 0).
+
+    Where every store reads blocking (:func:`blocking_reads`: the file store), one hop
+    onto a lookup thread of its own, which reads the page headers itself (rank after
+    rank, each asked only the prefix the ones before had); else the stores'
+    ``exists_prefix`` on ``io``'s event loop, all ranks at once (a hop to the loop, and
+    the store's own to its I/O thread)."""
+
+    def __init__(self, stores: Sequence[Storage], io: ThreadWriter, timeout_s: float) -> None:
+        self.stores = list(stores)
+        self.io = io
+        self.timeout_s = timeout_s
+        found = [blocking_reads(s) for s in self.stores]
+        # _counts: every store's blocking count, or None (the async route).
+        self._counts = [b.count for b in found if b is not None] if all(found) else None
+        self._thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-lookup")
+            if self._counts is not None
+            else None
+        )
+
+    def __call__(self, keys: list[str]) -> int:
+        if not keys:
+            return 0
+        if self._thread is not None and self._counts is not None:
+            counts = self._counts
+
+            def count() -> int:
+                n = len(keys)
+                for c in counts:
+                    n = min(n, c(keys[:n]))
+                    if n <= 0:
+                        return 0
+                return n
+
+            return self._thread.submit(count).result(self.timeout_s)
+        stores = self.stores
+
+        async def gathered() -> int:
+            return min(await asyncio.gather(*(s.exists_prefix(keys) for s in stores)))
+
+        return self.io.call(gathered(), self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the lookup thread (a lookup still running ends on its own)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)
 
 
 def h2d_runs(device_pages: Sequence[int], host_pages: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -229,8 +328,12 @@ class Mover:
             self._block_views = [
                 t.view(self.device.n_pages, -1).view(torch.uint8).numpy() for t in self.device.tensors
             ]
-        # _splitter: the thread of a synchronous load's second half (made at its first).
-        self._splitter: ThreadPoolExecutor | None = None
+        # _blocking: the store's blocking reads (the file store's), run on _halves' threads.
+        self._blocking = blocking_reads(storage) if storage is not None else None
+        # _halves: the threads a load's reads run on where the store reads blocking (both
+        #   halves of a split synchronous load at once), or a split load's second half
+        #   (made at the first use).
+        self._halves: ThreadPoolExecutor | None = None
         # inline_loads: a plan's asynchronous loads too run in start() on the calling
         # (engine) thread, not on the load thread (None: where the KV is in host memory);
         # synchronous ones always do. The connector runs asynchronous ones on the thread
@@ -343,25 +446,52 @@ class Mover:
                 error = f"no host pages for {len(job.keys) - n} of {len(job.keys)} page(s)"
             if n and self.writer is not None and self.storage is not None:
                 split = job.sync and n >= _SPLIT_MIN
-                pages = self._read_copy_split(job, n) if split else self._read_copy(job, 0, n)
+                pages = self._read_copy_split(job, n) if split else self._read_copy_bounded(job, n)
         except Exception as exc:  # the store or the copy failed: nothing counts as loaded
             pages, error = 0, repr(exc)
         with self._lock:
             self._loaded.append((job, pages, error))
             self._load_done.notify_all()
 
+    def _half_threads(self) -> ThreadPoolExecutor:
+        if self._halves is None:
+            self._halves = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvoffload.vllm-load-half")
+        return self._halves
+
+    def _read_copy_bounded(self, job: LoadJob, n: int) -> int:
+        """:meth:`_read_copy` of all ``n`` pages, waited for at most ``io_timeout_s``: a
+        blocking read on a load thread (one hop), an async one where it is (its call to
+        the store's loop is bounded)."""
+        if self._blocking is None:
+            return self._read_copy(job, 0, n)
+        return int(self._half_threads().submit(self._read_copy, job, 0, n).result(self.io_timeout_s))
+
+    def _read(self, keys: list[str], parts: list[list[memoryview]]) -> int:
+        """Read ``keys`` into ``parts`` (one page's buffers each): blocking where the
+        store reads blocking (the caller is a load thread, its wait bounded by whoever
+        waits on it), else on the storage writer's loop, bounded by ``io_timeout_s``."""
+        if self._blocking is not None:
+            return int(self._blocking.read(keys, parts))
+        assert self.writer is not None and self.storage is not None
+        if all(len(p) == 1 for p in parts):  # host pages: the store's own get_into
+            read = self.storage.get_into(keys, [p[0] for p in parts])
+        else:
+            read = self.storage.get_into_parts(keys, parts)
+        return int(self.writer.call(read, self.io_timeout_s))
+
     def _read_copy(self, job: LoadJob, start: int, stop: int) -> int:
         """Read ``job``'s pages ``start:stop`` from the store into their host pages, then
         copy the leading ones read into their blocks (none once the load is cancelled);
-        returns how many leading pages of the range were read."""
+        a synchronous load on a CPU reads straight into its blocks instead. Returns how
+        many leading pages of the range were read."""
         assert self.writer is not None and self.storage is not None
+        keys = list(job.keys[start:stop])
         if job.sync and self._block_views is not None:  # straight into the blocks: no copy
-            parts = [[memoryview(v[b]) for v in self._block_views] for b in job.device_pages[start:stop]]
-            read = self.storage.get_into_parts(job.keys[start:stop], parts)
-            return int(self.writer.call(read, self.io_timeout_s))
+            views = self._block_views
+            return self._read(keys, [[memoryview(v[b]) for v in views] for b in job.device_pages[start:stop]])
         host = job.host_pages[start:stop]
         dest = _writable_pages(self.host, host)
-        got = int(self.writer.call(self.storage.get_into(job.keys[start:stop], dest), self.io_timeout_s))
+        got = self._read(keys, [[d] for d in dest])
         del dest
         with self._lock:
             cancelled = job.id in self._cancelled
@@ -370,21 +500,35 @@ class Mover:
         return got
 
     def _read_copy_split(self, job: LoadJob, n: int) -> int:
-        """A synchronous load's read and copy in two halves at once, the second on a
-        thread of its own: it runs before the forward, so the engine's cores are free
-        (each half's read and copy release the GIL; the copy starts no OpenMP team).
+        """A synchronous load's read and copy in two halves at once: it runs before the
+        forward, so the engine's cores are free (each half's read and copy release the
+        GIL; the copy starts no OpenMP team). Where the store reads blocking (the file
+        store), both halves run on the load threads and this thread waits for them, at
+        most ``io_timeout_s`` (one hop each, no event loop); else the second half runs on
+        a load thread and the first here, each bounded by its call to the store's loop.
+
         Returns the leading pages loaded; when the first half comes back short, what the
         second copied lies past them and is reported as load errors with them (vLLM
-        recomputes those blocks). Both halves have ended when this returns or raises."""
-        if self._splitter is None:
-            self._splitter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load-half")
+        recomputes those blocks). Both halves have ended when this returns, unless the
+        wait timed out (``StorageError``: nothing counts as loaded; a read that hangs
+        in the kernel cannot be stopped, and may still write its blocks, which vLLM
+        recomputes: that wait is what keeps the engine from hanging with it)."""
         half = n // 2
-        second = self._splitter.submit(self._read_copy, job, half, n)
-        try:
-            first = self._read_copy(job, 0, half)
-        finally:
-            done = second.exception() is None  # waits: no copy of it runs after we report
-        got = second.result() if done else 0
+        threads = self._half_threads()
+        second = threads.submit(self._read_copy, job, half, n)
+        if self._blocking is None:
+            try:
+                first = self._read_copy(job, 0, half)
+            finally:
+                done = second.exception() is None  # waits: no copy of it runs after we report
+            got = second.result() if done else 0
+            return first if first < half else half + got
+        first_f = threads.submit(self._read_copy, job, 0, half)
+        _, pending = wait((first_f, second), timeout=self.io_timeout_s)
+        if pending:
+            raise StorageError(f"a load's read took longer than io_timeout_s={self.io_timeout_s}")
+        first = first_f.result()  # raises what the half raised: nothing counts as loaded
+        got = second.result() if first >= half and second.exception() is None else 0
         return first if first < half else half + got
 
     # --- what this rank reports -------------------------------------------------------------
@@ -487,8 +631,8 @@ class Mover:
         if not self.backend.join(timeout):
             logger.error("vllm.close_timeout", what="copies", timeout_s=timeout)
         self._loader.shutdown(wait=True)
-        if self._splitter is not None:
-            self._splitter.shutdown(wait=True)
+        if self._halves is not None:
+            self._halves.shutdown(wait=True)
         if self.writer is not None:
             self.writer.stop()
             self.writer.join(timeout)

@@ -278,31 +278,48 @@ class FileStorage(Storage):
             return 0
         return await anyio.to_thread.run_sync(self._read_prefix, list(keys), None)
 
+    def blocking_exists_prefix(self, keys: Sequence[str]) -> int:
+        """:meth:`exists_prefix` on the calling thread (blocking file I/O, no event loop,
+        no thread hop): for a caller already on a thread of its own that bounds its own
+        wait (the vLLM connector's lookup thread)."""
+        return self._read_prefix(list(keys), None) if keys else 0
+
+    def blocking_get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+        """:meth:`get_into_parts` on the calling thread (blocking file I/O, no event
+        loop, no thread hop), the same checks: for a caller already on a thread of its
+        own that bounds its own wait (the vLLM connector's load threads)."""
+        if len(keys) != len(dest):
+            raise ValueError(f"{len(keys)} keys for {len(dest)} pages of buffers")
+        return self._read_prefix(list(keys), [list(d) for d in dest]) if keys else 0
+
     def _read_prefix(self, keys: list[str], dest: list[list[memoryview]] | None) -> int:
         """How many leading keys have a whole record of their key; with ``dest``, read
         each payload straight into its buffers (one ``preadv``: a host page, or an
-        engine block's parts) and check its checksum there."""
+        engine block's parts) and check its checksum there. A page costs an open, one
+        ``fstat`` and a ``pread`` of its header (no file object), then the ``preadv``."""
         with _Reader(self) as r:
             for i, key in enumerate(keys):
-                f = r.open(key)
-                if f is None:
+                opened = r.open_fd(key)
+                if opened is None:
                     return i
-                with f:
-                    try:
-                        found = payload_offset(key, f.read(header_size(key)), os.fstat(f.fileno()).st_size)
-                        if found is None:
+                fd, size = opened
+                try:
+                    found = payload_offset(key, os.pread(fd, header_size(key), 0), size)
+                    if found is None:
+                        return i
+                    if dest is not None:
+                        parts = [_bytes_view(b) for b in dest[i]]
+                        if found.length != sum(b.nbytes for b in parts):
                             return i
-                        if dest is not None:
-                            parts = [b.cast("B") for b in dest[i]]
-                            if found.length != sum(b.nbytes for b in parts):
-                                return i
-                            # (a version 1 header is shorter than what was read: offset is exact)
-                            if os.preadv(f.fileno(), parts, found.offset) != found.length:
-                                return i
-                            if not intact_parts(found, parts):
-                                return i
-                    except OSError as exc:
-                        raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
+                        # (a version 1 header is shorter than what was read: offset is exact)
+                        if os.preadv(fd, parts, found.offset) != found.length:
+                            return i
+                        if not intact_parts(found, parts):
+                            return i
+                except OSError as exc:
+                    raise StorageError(f"file storage: cannot read {self.path(key)}: {exc}") from exc
+                finally:
+                    os.close(fd)
         return len(keys)
 
     # --- stale temporary files -----------------------------------------------------------
@@ -373,8 +390,22 @@ class _Reader:
         return self
 
     def open(self, key: str) -> Any:
-        """The page file of ``key`` opened for reading, or ``None``: missing, a symlink,
-        not a regular file, or under a fan-out entry that is not a real directory."""
+        """The page file of ``key`` opened for reading, or ``None`` (see :meth:`open_fd`)."""
+        opened = self.open_fd(key)
+        if opened is None:
+            return None
+        fd = opened[0]
+        try:
+            return open(fd, "rb", closefd=True)  # the caller closes it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+
+    def open_fd(self, key: str) -> tuple[int, int] | None:
+        """(a descriptor of the page file of ``key`` opened for reading, its size; the
+        caller closes it), or ``None``: missing, a symlink, not a regular file, or under
+        a fan-out entry that is not a real directory."""
         if self.root_fd is None:
             return None
         d, name = _place(key)
@@ -393,14 +424,14 @@ class _Reader:
                 return None
             raise StorageError(f"file storage: cannot read {self.store.root / d / name}: {exc}") from exc
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                return None
-            return open(fd, "rb", closefd=True)  # the caller closes it
+            st = os.fstat(fd)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            os.close(fd)
             raise
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+        return fd, st.st_size
 
     def __exit__(self, *exc: object) -> None:
         for fd in self.dirs.values():
@@ -414,6 +445,11 @@ def _place(key: str) -> tuple[str, str]:
     """(fan-out directory, file name) of ``key``: both plain names, never a path."""
     name = key if _PLAIN_KEY.fullmatch(key) else "h" + hashlib.sha256(key.encode()).hexdigest()
     return name[:2], name
+
+
+def _bytes_view(b: memoryview) -> memoryview:
+    """``b`` as flat bytes for ``preadv`` (itself when it already is)."""
+    return b if b.format == "B" and b.ndim == 1 and b.c_contiguous else b.cast("B")
 
 
 def _alive(pid: int) -> bool:

@@ -43,6 +43,9 @@ class RankKeys(Storage):
     async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
         return await self.inner.get_into(self._keys(keys), dest)
 
+    async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+        return await self.inner.get_into_parts(self._keys(keys), dest)
+
     async def exists_prefix(self, keys: Sequence[str]) -> int:
         return await self.inner.exists_prefix(self._keys(keys))
 
