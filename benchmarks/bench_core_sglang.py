@@ -14,12 +14,12 @@ stride of decode steps, at 16-token and at ``--long``-token (32k) prompts:
   ``bench_sglang.sglang_engine`` (its real ``__init__``, ``ReqToTokenPool``,
   ``MHATokenToKVPool``, allocator, host pool and ``HiCacheController`` on the CPU; the
   device copy and the storage tier acknowledged at once, as there), doing exactly
-  what SGLang's scheduler has it do per decode iteration
-  (``scheduler_output_processor_mixin`` / ``decode_kvcache_offload_manager.py``):
-  ``check_offload_progress()`` once per iteration (queue sizes, the finished copies'
-  page hashes and storage writes, the finished backups' host pages freed), and for each
-  request the sampled token appended to ``req.output_ids`` (SGLang's manager reads its
-  tokens from there: what ``[token]`` is to kvoffload) and ``offload_kv_cache(req)``
+  what SGLang's scheduler has it do per decode iteration: ``check_offload_progress()``
+  once per iteration (disaggregation/decode.py, ``process_decode_queue``: queue sizes,
+  the finished copies' page hashes and storage writes, the finished backups' host
+  pages freed), and for each request the sampled token appended to ``req.output_ids``
+  (SGLang's manager reads its tokens from there: what ``[token]`` is to kvoffload) and
+  ``offload_kv_cache(req)`` (batch_result_processor.py, per running request)
   (the row lookup, ``origin_input_ids + output_ids[:-1]``, the stride arithmetic, and
   every stride the device slice, ``cache_controller.write`` and the ack bookkeeping).
   Its stride is set through SGLang's own ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``.
