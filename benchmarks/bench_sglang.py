@@ -120,9 +120,13 @@ class Tree:
         pass
 
 
-def sglang_engine(n_rows: int, n_pages: int, max_context: int) -> tuple[Any, Any, Callable[[], Any]] | None:
-    """SGLang's real rows, KV pool and allocator on the CPU, and a builder of SGLang's
-    own manager on them; None when sglang does not import here."""
+def sglang_engine(
+    n_rows: int, n_pages: int, max_context: int, page: int = PAGE
+) -> tuple[Any, Any, Callable[[], Any]] | None:
+    """SGLang's real rows, KV pool and allocator on the CPU (pages of ``page`` tokens),
+    and a builder of SGLang's own manager on them; None when sglang does not import
+    here. SGLang's manager reads its stride from ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``
+    when it is built (unset: one page)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests", "integrations"))
     try:
         import sglang_cpu  # the torchvision stub SGLang's import chain needs here
@@ -150,7 +154,7 @@ def sglang_engine(n_rows: int, n_pages: int, max_context: int) -> tuple[Any, Any
     logging.getLogger("sglang").setLevel(logging.WARNING)
     server_args = ServerArgs(
         model_path="dummy",  # SGLang's own short circuit: no model config is loaded
-        page_size=PAGE,
+        page_size=page,
         device="cpu",
         hicache_ratio=2.0,
         hicache_size=0,
@@ -163,10 +167,10 @@ def sglang_engine(n_rows: int, n_pages: int, max_context: int) -> tuple[Any, Any
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    size = n_pages * PAGE
+    size = n_pages * page
     kv = MHATokenToKVPool(
         size=size,
-        page_size=PAGE,
+        page_size=page,
         dtype=torch.float16,
         head_num=1,
         head_dim=8,
@@ -175,7 +179,7 @@ def sglang_engine(n_rows: int, n_pages: int, max_context: int) -> tuple[Any, Any
         enable_memory_saver=False,
     )
     alloc = PagedTokenToKVPoolAllocator(
-        size=size, page_size=PAGE, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
+        size=size, page_size=page, dtype=torch.float16, device="cpu", kvcache=kv, need_sort=False
     )
     rows = ReqToTokenPool(size=n_rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
     # Host pinning registers memory with CUDA: nothing to register on this CPU.

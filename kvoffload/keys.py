@@ -26,6 +26,7 @@ from typing import Any
 from kvoffload.errors import ConfigError, InvalidTokens
 
 __all__ = [
+    "INT_DTYPES",
     "TOKEN_TYPECODE",
     "WIDE_TYPECODE",
     "chain_keys",
@@ -51,7 +52,8 @@ _LITTLE = sys.byteorder == "little"
 #: Marks a page hashed in the wide (uint64) form.
 _WIDE_TAG = b"\xff"
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
-_INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
+#: The integer dtypes (numpy's and torch's names) whose arrays and tensors hold token ids.
+INT_DTYPES = _INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
 #: Below this many ids, look at every element's type; above, only at the 0s and 1s.
 _SCAN_ALL = 256
 

@@ -56,6 +56,9 @@ EVENT_NAMES: dict[str, str] = {
     "manager.closed_live": "closed with lifecycles never finished; they were aborted (warning)",
     "manager.on_released_failed": "on_released raised; the ledger was already consistent (error)",
     "listener.failed": "a listener raised; the event's step still ran to completion (error)",
+    "manager.fast_paths_off": (
+        "a listener or debug logging turned this manager's fast paths off (warning, once per manager)"
+    ),
     "manager.step_failed": "a driver's background step failed and was contained; the manager runs on (error)",
     "sglang.rows_reclaimed_mid_copy": "SGLang took a request's rows back while a copy read them (error)",
     "sglang.storage_fallback": "SGLang's storage could not be built: HiCacheFile's format written (warning)",
@@ -230,7 +233,7 @@ class Events:
     The core's rooms emit through it; the facade (``OffloadCore.refresh_observed``)
     keeps :attr:`observed`."""
 
-    __slots__ = ("clock", "failures", "listeners", "observed")
+    __slots__ = ("clock", "failures", "listeners", "observed", "told")
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
@@ -241,6 +244,28 @@ class Events:
         # failures: rate limits of this core's listener.failed lines, by event name, on
         # this core's clock (never shared with another core: F39).
         self.failures: dict[str, RateLimit] = {}
+        # told: whether manager.fast_paths_off was logged (once per core, the first time
+        # observed turned on). Invariant: self.told or not self.observed
+        self.told = False
+
+    def refresh(self) -> bool:
+        """Whether events should be built now: a listener is attached to this core, or
+        debug logging would be seen (:func:`refresh_debug`). Sets nothing but the debug
+        gate; the facade applies the answer. The first time the answer turns this
+        core's fast paths off, one ``manager.fast_paths_off`` warning says so and why
+        (never again for this core: a listener that stays is no news)."""
+        debug = refresh_debug()
+        observed = debug or bool(self.listeners)
+        if observed and not self.told:
+            self.told = True
+            logger.warning(
+                "manager.fast_paths_off",
+                listeners=len(self.listeners),
+                debug_logging=debug,
+                reason="debug logging is on for kvoffload" if debug else "a listener is attached",
+                effect="every step of this manager takes its full path (events are built) while it lasts",
+            )
+        return observed
 
     def emit(self, name: str, lc: Lifecycle, **fields: Any) -> None:
         """Send event ``name`` about ``lc`` to the listeners and (at debug) structlog."""

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NewType, Protocol
 
 from kvoffload.errors import KVOffloadError, wrong_thread
-from kvoffload.keys import TOKEN_TYPECODE
+from kvoffload.keys import INT_DTYPES, TOKEN_TYPECODE
 from kvoffload.lifecycle.spec import LifecycleState, Outcome
 from kvoffload.lifecycle.table import EVENT_INDEX, TABLE
 
@@ -92,6 +92,11 @@ class LifecycleCore(Protocol):
     def grow_one(self, lc: Lifecycle) -> bool: ...
 
     def grow(self, lc: Lifecycle, committed: int) -> bool: ...
+
+
+def _dtype_name(tokens: Any) -> str:
+    """A numpy array's or torch tensor's dtype as ``validate_tokens`` names it."""
+    return str(tokens.dtype).removeprefix("torch.")
 
 
 def requiet(lc: Lifecycle, observed: bool) -> None:
@@ -367,6 +372,12 @@ class Lifecycle:
                 else:
                     self._committed = committed
                     return
+        elif getattr(tokens, "ndim", None) == 1 and _dtype_name(tokens) in INT_DTYPES:
+            # A one-dimensional integer numpy array or torch tensor (next_token_ids[i:i+1],
+            # un-listed): exactly the ids its tolist() gives - what the full path reads of
+            # it too - so it takes the fast path as that list (no silent cliff).
+            self.extend(tokens.tolist(), pages=pages, ready=ready)  # type: ignore[attr-defined]
+            return
         self._core.extend(self, tokens, pages=pages, ready=ready)
 
     def finish(self) -> None:

@@ -44,7 +44,7 @@ from kvoffload.config import OffloadConfig
 from kvoffload.core import ledger
 from kvoffload.core.chunks import Chunks
 from kvoffload.core.deferral import HostWait
-from kvoffload.core.events import Events, logger, refresh_debug
+from kvoffload.core.events import Events, logger
 from kvoffload.core.kv_events import KVEventSource
 from kvoffload.core.lifecycle import Lifecycle, LifecycleHost, requiet
 from kvoffload.core.loads import Loads
@@ -457,7 +457,7 @@ class OffloadCore:
         """Recompute :attr:`observed` (listeners, and whether debug logging is seen); when
         it changes, every live lifecycle's fast-path threshold follows (O(live), rare)."""
         events = self.events
-        observed = refresh_debug() or bool(events.listeners)
+        observed = events.refresh()  # (manager.fast_paths_off, once, the first time it turns on)
         if observed != events.observed:
             if observed and self.step.rows is not None:
                 self.step.rows.detach_all()  # every step of theirs emits an event from now on

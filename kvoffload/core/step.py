@@ -233,6 +233,8 @@ class DecodeStep:
         if type(lifecycles) is not list and type(lifecycles) is not tuple:
             lifecycles = _ordered(lifecycles, "lifecycles", KVOffloadError)
         if type(tokens) is not list and type(tokens) is not tuple:
+            if getattr(tokens, "ndim", 0) == 2 and tokens.shape[1] == 1:  # type: ignore[attr-defined]
+                tokens = tokens.reshape(-1)  # type: ignore[attr-defined]  # a column: one id each
             tokens = _ordered(tokens, "tokens", InvalidTokens)
         if pages is not None:
             pages = self._page_entries(pages)
