@@ -53,7 +53,7 @@ _LITTLE = sys.byteorder == "little"
 _WIDE_TAG = b"\xff"
 _INT_TYPECODES = frozenset("bBhHiIlLqQ")
 #: The integer dtypes (numpy's and torch's names) whose arrays and tensors hold token ids.
-INT_DTYPES = _INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
+INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
 #: Below this many ids, look at every element's type; above, only at the 0s and 1s.
 _SCAN_ALL = 256
 
@@ -100,7 +100,7 @@ def validate_tokens(tokens: Sequence[int], what: str = "tokens") -> array[int]:
         items, scan = tokens, False
     elif getattr(tokens, "dtype", None) is not None:  # a numpy array or a torch tensor
         dtype = str(tokens.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
-        if dtype not in _INT_DTYPES:
+        if dtype not in INT_DTYPES:
             raise InvalidTokens(f"{what} has dtype {dtype}: token ids are integers")
         shape = tuple(getattr(tokens, "shape", ()))
         if len(shape) != 1:

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, MappingView, Sequence, Set
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvoffload.errors import ConfigError, PageError, PoolExhausted
+from kvoffload.keys import INT_DTYPES
 
 if TYPE_CHECKING:
     import torch
@@ -267,9 +268,6 @@ def host_tensor(
     return t
 
 
-_INT_DTYPES = frozenset(f"{s}int{b}" for s in ("", "u") for b in (8, 16, 32, 64))
-
-
 def page_ids(pages: Any, what: str = "pages") -> list[int]:
     """The engine's page ids ``pages`` as a list of Python ints, in token order.
 
@@ -296,7 +294,7 @@ def page_ids(pages: Any, what: str = "pages") -> list[int]:
         return list(pages)
     elif getattr(pages, "dtype", None) is not None:  # a numpy array or a torch tensor
         dtype = str(pages.dtype).removeprefix("torch.")
-        if dtype not in _INT_DTYPES:
+        if dtype not in INT_DTYPES:
             raise PageError(f"{what} has dtype {dtype}: page ids are integers")
         shape = tuple(pages.shape)
         if len(shape) != 1:
