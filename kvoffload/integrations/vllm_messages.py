@@ -93,11 +93,16 @@ class RankReport:
     first failure's text or ``None``, ``pages_stored`` is the fewest leading pages of
     the job any rank's store confirmed (per page, F34: a page is stored only where
     every rank stored its shard), ``pages_loaded`` the fewest leading pages any rank
-    loaded."""
+    loaded. ``reading[id] = ranks``: a load reported in ``loads`` while a store read of
+    it still ran (the rank gave up waiting: the load failed, its blocks are the
+    engine's, but the read may still write its host pages) counts +1, and -1 once every
+    read of it on that rank ended; the scheduler keeps the load's host pages until the
+    sum is back to 0 (absent)."""
 
     copies: dict[int, tuple[int, str | None]] = field(default_factory=dict)
     writes: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
     loads: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
+    reading: dict[int, int] = field(default_factory=dict)
 
     def merge(self, other: RankReport) -> RankReport:
         """Both reports as one (vLLM aggregates its workers' outputs this way)."""
@@ -119,7 +124,14 @@ class RankReport:
                 loads[k] = (m + n, min(p, q), f if f is not None else e)
             else:
                 loads[k] = (n, p, e)
-        return RankReport(copies, writes, loads)
+        reading = dict(self.reading)
+        for k, n in other.reading.items():
+            left = reading.get(k, 0) + n
+            if left:
+                reading[k] = left
+            else:
+                reading.pop(k, None)
+        return RankReport(copies, writes, loads, reading)
 
     def __bool__(self) -> bool:
-        return bool(self.copies or self.writes or self.loads)
+        return bool(self.copies or self.writes or self.loads or self.reading)

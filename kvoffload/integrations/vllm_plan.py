@@ -182,6 +182,13 @@ class Planner:
         self._held: dict[int, str] = {}
         # _loads: loads whose workers have not all reported, by load id (the core's Load).
         self._loads: dict[int, Load] = {}
+        # _reading: load id -> ranks on which a read of a reported load still runs
+        #   (RankReport.reading's sum); _reading_loads: those loads every rank reported,
+        #   with the result, kept from the core (READING: their host pages held) until
+        #   their id leaves _reading. Invariant: a load is in at most one of _loads and
+        #   _reading_loads, and in _reading_loads only while its id is in _reading.
+        self._reading: dict[int, int] = {}
+        self._reading_loads: dict[int, tuple[Load, int, str | None]] = {}
         # _h2d: the h2d copies the core just submitted for loads whose read returned:
         #   the workers did them already (read and copy are one job there).
         self._h2d: list[TransferId] = []
@@ -323,9 +330,11 @@ class Planner:
         )
 
     def _load_done(self, load: Load, pages: int, error: str | None) -> None:
-        """Every worker reported ``load``: the read's result goes to the core (which
-        submits the h2d copy the workers already did, completed here at once)."""
-        del self._loads[load.id]
+        """Every worker reported ``load`` and every read of it ended: the read's result
+        goes to the core (which submits the h2d copy the workers already did, completed
+        here at once, or frees the host pages of a failed one)."""
+        self._loads.pop(load.id, None)
+        self._reading_loads.pop(load.id, None)
         if not load.done:
             err = None if error is None else StorageError(error)
             self.core.load_read(load, min(pages, len(load.keys)), err)
@@ -342,6 +351,11 @@ class Planner:
                     loaded=ld.pages_loaded,
                     reason=ld.reason,
                 )
+        self._load_outcome(load, pages, error)
+
+    def _load_outcome(self, load: Load, pages: int, error: str | None) -> None:
+        """What the request learns of its finished load (vLLM learned it from the
+        workers): it is no longer loading, and failed when short."""
         rec = self._requests.get(load.rid)
         if rec is not None and rec.load is load:
             rec.load = None
@@ -483,6 +497,15 @@ class Planner:
         """``update_connector_output``: count each job's ranks; a job every rank reported
         is delivered to the core (copies, writes) or finishes its load."""
         ws = self.world_size
+        for lid, n in report.reading.items():  # before the loads: a read that ended frees
+            left = self._reading.get(lid, 0) + n
+            if left:
+                self._reading[lid] = left
+                continue
+            self._reading.pop(lid, None)
+            kept = self._reading_loads.get(lid)
+            if kept is not None:
+                self._load_done(*kept)
         # Loads first: a short synchronous load aborts the lifecycle admitted on top of
         # it before its copies are delivered, so the core discards them (never written).
         for lid, (n, pages, err) in report.loads.items():
@@ -492,7 +515,13 @@ class Planner:
                 self._load_counts[lid] = (m, p, e)
                 continue
             load = self._loads.get(lid)
-            if load is not None:
+            if load is not None and self._reading.get(lid):
+                # a rank gave up on it, its read still running: the request goes on (its
+                # blocks recomputed), the core keeps the host pages until the read ended
+                del self._loads[lid]
+                self._reading_loads[lid] = (load, p, e)
+                self._load_outcome(load, p, e)
+            elif load is not None:
                 self._load_done(load, p, e)
             sync = self._sync.pop(lid, None)
             if sync is not None and (e is not None or p < sync[2]):
@@ -562,3 +591,5 @@ class Planner:
         self.core.check_invariants()
         assert not (set(self._free_ids) & set(self._block_of)), "a stand-in id both free and mapped"
         assert len(self._free_ids) + len(self._block_of) == self._n_own, "a stand-in id lost"
+        assert not (set(self._loads) & set(self._reading_loads)), "a load both reporting and kept"
+        assert set(self._reading_loads) <= set(self._reading), "a load kept with no read running"

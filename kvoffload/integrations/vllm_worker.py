@@ -44,7 +44,7 @@ import asyncio
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError, StorageError
 from kvoffload.integrations.vllm_messages import LoadJob, RankReport, StepPlan
 from kvoffload.pools import EnginePages, HostPool
+from kvoffload.storage.gate import WriteGate
 from kvoffload.storage.writer import ThreadWriter, WritePolicy, stored_prefix
 
 if TYPE_CHECKING:
@@ -124,16 +125,23 @@ def rank_stores(store: Storage, size: int) -> list[Storage]:
 class BlockingReads:
     """A store's reads that block the calling thread (no event loop, no thread hop):
     ``count(keys)`` is its ``exists_prefix``, ``read(keys, parts)`` its
-    ``get_into_parts``, with the same checks. Only for a caller on a thread of its own
-    that bounds its own wait (:class:`PrefixLookup`, the :class:`Mover`'s load threads)."""
+    ``get_into_parts``, with the same checks; ``cached(keys, parts, gate)`` reads only
+    what the page cache holds, each page's write inside ``gate`` (the file store's
+    ``blocking_get_into_parts(..., cached=True, gate=gate)``: the reads that may write
+    an engine's blocks directly). Only for a caller on a thread of its own that bounds
+    its own wait (:class:`PrefixLookup`, the :class:`Mover`'s load threads)."""
 
-    __slots__ = ("count", "read")
+    __slots__ = ("cached", "count", "read")
 
     def __init__(
-        self, count: Callable[[list[str]], int], read: Callable[[list[str], list[list[memoryview]]], int]
+        self,
+        count: Callable[[list[str]], int],
+        read: Callable[[list[str], list[list[memoryview]]], int],
+        cached: Callable[[list[str], list[list[memoryview]], WriteGate], int],
     ) -> None:
         self.count = count
         self.read = read
+        self.cached = cached
 
 
 def blocking_reads(store: Storage) -> BlockingReads | None:
@@ -147,11 +155,14 @@ def blocking_reads(store: Storage) -> BlockingReads | None:
     read = getattr(inner, "blocking_get_into_parts", None)
     if not (callable(count) and callable(read)):
         return None
-    if not suffix:
-        return BlockingReads(count, read)
+
+    def named(keys: list[str]) -> list[str]:
+        return [k + suffix for k in keys] if suffix else keys
+
     return BlockingReads(
-        lambda keys: int(count([k + suffix for k in keys])),
-        lambda keys, parts: int(read([k + suffix for k in keys], parts)),
+        lambda keys: int(count(named(keys))),
+        lambda keys, parts: int(read(named(keys), parts)),
+        lambda keys, parts, gate: int(read(named(keys), parts, cached=True, gate=gate)),
     )
 
 
@@ -263,6 +274,22 @@ def _writable_pages(pool: HostPool, pages: Sequence[int]) -> list[memoryview]:
     return [flat[p * size : (p + 1) * size] for p in pages]
 
 
+class _Run:
+    """One load on one rank while its ``Mover._load`` runs: ``gate`` guards the load's
+    blocks (closed before the load is reported: nothing of it writes them after that,
+    the engine may recompute or reuse them), ``reads`` the futures of its reads running
+    elsewhere (a piece on a load thread, a store call on the writer's loop), each of
+    which may write the load's host pages until it is done; ``pieces`` those of them
+    that are pieces on a load thread (one still queued is cancelled at the end)."""
+
+    __slots__ = ("gate", "pieces", "reads")
+
+    def __init__(self) -> None:
+        self.gate = WriteGate()
+        self.reads: list[Future[Any]] = []
+        self.pieces: list[Future[Any]] = []
+
+
 class Mover:
     """One rank's movers (see the module doc). ``Mover(kv, block_size=, host_pages=,
     storage=)``: ``kv`` are the engine-page tensors of every layer (:func:`block_tensors`);
@@ -314,6 +341,14 @@ class Mover:
         self._load_done = threading.Condition(self._lock)
         self._loaded: deque[tuple[LoadJob, int, str | None]] = deque()
         self._cancelled: set[int] = set()
+        # _runs: job id -> its _Run while its _load runs (its gate, its reads running).
+        # _late: job id -> the reads of a load posted to _loaded while they still ran
+        #   (this rank gave up waiting): each may write the load's host pages until it
+        #   ended, so the scheduler keeps them (RankReport.reading) until every one did.
+        #   Invariant: a job is in _late only from the moment its _loaded entry is
+        #   posted (both under _lock) until poll() saw all its reads done.
+        self._runs: dict[int, _Run] = {}
+        self._late: dict[int, list[Future[Any]]] = {}
         self._loads_running: dict[int, LoadJob] = {}
         self._recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -439,6 +474,7 @@ class Mover:
     # --- loads (the load thread) -------------------------------------------------------
 
     def _load(self, job: LoadJob) -> None:
+        run = self._runs[job.id] = _Run()
         pages, error = 0, None
         try:
             n = min(len(job.keys), len(job.host_pages))
@@ -449,7 +485,17 @@ class Mover:
                 pages = self._read_copy_split(job, n) if split else self._read_copy_bounded(job, n)
         except Exception as exc:  # the store or the copy failed: nothing counts as loaded
             pages, error = 0, repr(exc)
+        # From here nothing of this load writes its blocks (a read still running writes
+        # its host pages only: reported in RankReport.reading until it ended).
+        run.gate.close()
+        for f in run.pieces:
+            f.cancel()  # a piece queued behind a hung read never starts (never a store
+            # call's future: cancelling it ends the task, not a thread the store runs)
         with self._lock:
+            del self._runs[job.id]
+            running = [f for f in run.reads if not f.done()]
+            if running:
+                self._late[job.id] = running
             self._loaded.append((job, pages, error))
             self._load_done.notify_all()
 
@@ -458,18 +504,36 @@ class Mover:
             self._halves = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvoffload.vllm-load-half")
         return self._halves
 
+    def _piece(self, job: LoadJob, start: int, stop: int) -> Future[int]:
+        """:meth:`_read_copy` of ``start:stop`` on a load thread; its future is one of the
+        load's reads (it may write the load's host pages until it ended)."""
+        fut = self._half_threads().submit(self._read_copy, job, start, stop)
+        run = self._runs[job.id]
+        with self._lock:
+            run.reads.append(fut)
+            run.pieces.append(fut)
+        return fut
+
+    def _timed_out(self) -> StorageError:
+        return StorageError(f"a load's read took longer than io_timeout_s={self.io_timeout_s}")
+
     def _read_copy_bounded(self, job: LoadJob, n: int) -> int:
         """:meth:`_read_copy` of all ``n`` pages, waited for at most ``io_timeout_s``: a
         blocking read on a load thread (one hop), an async one where it is (its call to
         the store's loop is bounded)."""
         if self._blocking is None:
             return self._read_copy(job, 0, n)
-        return int(self._half_threads().submit(self._read_copy, job, 0, n).result(self.io_timeout_s))
+        try:
+            return int(self._piece(job, 0, n).result(self.io_timeout_s))
+        except TimeoutError:
+            raise self._timed_out() from None
 
-    def _read(self, keys: list[str], parts: list[list[memoryview]]) -> int:
-        """Read ``keys`` into ``parts`` (one page's buffers each): blocking where the
-        store reads blocking (the caller is a load thread, its wait bounded by whoever
-        waits on it), else on the storage writer's loop, bounded by ``io_timeout_s``."""
+    def _read(self, job: LoadJob, keys: list[str], parts: list[list[memoryview]]) -> int:
+        """Read ``keys`` into ``parts`` (host pages: memory the load holds until every
+        read of it ended): blocking where the store reads blocking (the caller is a load
+        thread, its wait bounded by whoever waits on it), else on the storage writer's
+        loop, waited for at most ``io_timeout_s`` (a read that outlives the wait stays
+        one of the load's reads)."""
         if self._blocking is not None:
             return int(self._blocking.read(keys, parts))
         assert self.writer is not None and self.storage is not None
@@ -477,27 +541,49 @@ class Mover:
             read = self.storage.get_into(keys, [p[0] for p in parts])
         else:
             read = self.storage.get_into_parts(keys, parts)
-        return int(self.writer.call(read, self.io_timeout_s))
+        fut = self.writer.submit(read)
+        run = self._runs[job.id]
+        with self._lock:
+            run.reads.append(fut)
+        try:
+            return int(fut.result(self.io_timeout_s))
+        except TimeoutError:
+            raise self._timed_out() from None
 
     def _read_copy(self, job: LoadJob, start: int, stop: int) -> int:
         """Read ``job``'s pages ``start:stop`` from the store into their host pages, then
-        copy the leading ones read into their blocks (none once the load is cancelled);
-        a synchronous load on a CPU reads straight into its blocks instead. Returns how
-        many leading pages of the range were read."""
+        copy the leading ones read into their blocks (none once the load is cancelled,
+        or given up: its gate closed). A synchronous load on a CPU first reads straight
+        into its blocks what the page cache holds (the file store: no copy, never a
+        wait on a disk, each page inside the gate), the rest through its host pages.
+        Returns how many leading pages of the range were loaded."""
         assert self.writer is not None and self.storage is not None
+        run = self._runs.get(job.id)
+        if run is None or not run.gate.open:
+            return 0  # given up before this piece started: it touches nothing
         keys = list(job.keys[start:stop])
-        if job.sync and self._block_views is not None:  # straight into the blocks: no copy
+        got = 0
+        if job.sync and self._block_views is not None and self._blocking is not None:
             views = self._block_views
-            return self._read(keys, [[memoryview(v[b]) for v in views] for b in job.device_pages[start:stop]])
-        host = job.host_pages[start:stop]
+            blocks = job.device_pages[start:stop]
+            got = self._blocking.cached(keys, [[memoryview(v[b]) for v in views] for b in blocks], run.gate)
+            if got == len(keys):
+                return got
+        first = start + got
+        host = job.host_pages[first:stop]
         dest = _writable_pages(self.host, host)
-        got = self._read(keys, [[d] for d in dest])
+        more = self._read(job, keys[got:], [[d] for d in dest])
         del dest
         with self._lock:
             cancelled = job.id in self._cancelled
-        if got and not cancelled:
-            copy_h2d(self.device, self.host, job.device_pages[start : start + got], host[:got])
-        return got
+        if more and not cancelled:
+            if not run.gate.enter():
+                return got  # given up meanwhile: the blocks are the engine's again
+            try:
+                copy_h2d(self.device, self.host, job.device_pages[first : first + more], host[:more])
+            finally:
+                run.gate.leave()
+        return got + more
 
     def _read_copy_split(self, job: LoadJob, n: int) -> int:
         """A synchronous load's read and copy in two halves at once: it runs before the
@@ -510,23 +596,25 @@ class Mover:
         Returns the leading pages loaded; when the first half comes back short, what the
         second copied lies past them and is reported as load errors with them (vLLM
         recomputes those blocks). Both halves have ended when this returns, unless the
-        wait timed out (``StorageError``: nothing counts as loaded; a read that hangs
-        in the kernel cannot be stopped, and may still write its blocks, which vLLM
-        recomputes: that wait is what keeps the engine from hanging with it)."""
+        wait timed out (``StorageError``: nothing counts as loaded; the load's gate
+        closes before it is reported, so a read that hangs in the kernel and returns
+        later writes only its host pages, which stay the load's until it ended)."""
         half = n // 2
-        threads = self._half_threads()
-        second = threads.submit(self._read_copy, job, half, n)
+        second = self._piece(job, half, n)
         if self._blocking is None:
             try:
                 first = self._read_copy(job, 0, half)
             finally:
-                done = second.exception() is None  # waits: no copy of it runs after we report
-            got = second.result() if done else 0
+                # bounded: the half's store call is; a piece still queued is cancelled
+                _, pending = wait((second,), timeout=self.io_timeout_s)
+            if pending:
+                raise self._timed_out()
+            got = second.result() if second.exception() is None else 0
             return first if first < half else half + got
-        first_f = threads.submit(self._read_copy, job, 0, half)
+        first_f = self._piece(job, 0, half)
         _, pending = wait((first_f, second), timeout=self.io_timeout_s)
         if pending:
-            raise StorageError(f"a load's read took longer than io_timeout_s={self.io_timeout_s}")
+            raise self._timed_out()
         first = first_f.result()  # raises what the half raised: nothing counts as loaded
         got = second.result() if first >= half and second.exception() is None else 0
         return first if first < half else half + got
@@ -556,12 +644,25 @@ class Mover:
             self._loaded.clear()
             for job, _, _ in loaded:
                 self._cancelled.discard(job.id)
+            late = {job.id for job, _, _ in loaded if job.id in self._late}
+            ended = [jid for jid, reads in self._late.items() if all(f.done() for f in reads)]
+            for jid in ended:
+                del self._late[jid]
+        reading = self._report.reading
         for job, pages, error in loaded:
             self._loads_running.pop(job.id, None)
             self._report.loads[job.id] = (1, pages, error)
+            if job.id in late:  # reported while a read of it runs: its host pages stay held
+                reading[job.id] = reading.get(job.id, 0) + 1
             if not job.sync:  # vLLM waits for an async load's request in finished_recving
                 self._recving.add(job.req_id)
             self._load_errors.update(job.device_pages[pages:])
+        for jid in ended:  # every read of it ended: its host pages are the scheduler's again
+            left = reading.get(jid, 0) - 1
+            if left:
+                reading[jid] = left
+            else:
+                reading.pop(jid, None)
 
     def finished(self, plan: StepPlan | None) -> tuple[set[str], set[str]]:
         """``get_finished``: (requests released by this plan: every copy of theirs is
@@ -593,6 +694,7 @@ class Mover:
         return not (
             self._copies
             or self._loads_running
+            or self._late
             or self._report
             or self._recving
             or (writer is not None and (writer.pending or writer.has_results))
@@ -608,7 +710,11 @@ class Mover:
         while True:
             if self.backend.ready or (writer is not None and writer.has_results) or self._loaded:
                 return True
-            if not (self._copies or self._loads_running or (writer is not None and writer.pending)):
+            if self._late and any(all(f.done() for f in reads) for reads in list(self._late.values())):
+                return True  # a given-up load's reads ended: its host pages go back
+            if not (
+                self._copies or self._loads_running or self._late or (writer is not None and writer.pending)
+            ):
                 return False
             left = deadline - time.monotonic()
             if left <= 0:
@@ -620,7 +726,7 @@ class Mover:
             else:
                 with self._load_done:
                     if not self._loaded:
-                        self._load_done.wait(left)
+                        self._load_done.wait(min(left, 0.01) if self._late else left)
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Finish what was handed over (copies, loads, writes), then stop the threads."""
@@ -632,7 +738,12 @@ class Mover:
             logger.error("vllm.close_timeout", what="copies", timeout_s=timeout)
         self._loader.shutdown(wait=True)
         if self._halves is not None:
-            self._halves.shutdown(wait=True)
+            # a given-up read may never return: not waited for (it writes host pages only)
+            with self._lock:
+                stuck = [jid for jid, reads in self._late.items() if not all(f.done() for f in reads)]
+            if stuck:
+                logger.error("vllm.close_reads_running", loads=len(stuck))
+            self._halves.shutdown(wait=not stuck, cancel_futures=bool(stuck))
         if self.writer is not None:
             self.writer.stop()
             self.writer.join(timeout)

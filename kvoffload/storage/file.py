@@ -40,6 +40,7 @@ from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError, PartialWriteError, StorageError
 from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header, header_size, intact_parts, payload_offset
+from kvoffload.storage.gate import WriteGate
 
 if TYPE_CHECKING:
     from kvoffload.pools import HostPool
@@ -284,19 +285,43 @@ class FileStorage(Storage):
         wait (the vLLM connector's lookup thread)."""
         return self._read_prefix(list(keys), None) if keys else 0
 
-    def blocking_get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+    def blocking_get_into_parts(
+        self,
+        keys: Sequence[str],
+        dest: Sequence[Sequence[memoryview]],
+        *,
+        cached: bool = False,
+        gate: WriteGate | None = None,
+    ) -> int:
         """:meth:`get_into_parts` on the calling thread (blocking file I/O, no event
         loop, no thread hop), the same checks: for a caller already on a thread of its
-        own that bounds its own wait (the vLLM connector's load threads)."""
+        own that bounds its own wait (the vLLM connector's load threads).
+
+        ``cached``: read only what the page cache holds (``RWF_NOWAIT``): a payload that
+        would wait on the disk stops it there, as a missing page does, so no write into
+        ``dest`` ever waits on a device (where the kernel or file system cannot say,
+        nothing is read). ``gate``: each payload's write into ``dest`` is made inside it
+        (:class:`~kvoffload.storage.gate.WriteGate`); a closed gate stops the read. With
+        both, memory the caller does not own is never written after the gate closed."""
         if len(keys) != len(dest):
             raise ValueError(f"{len(keys)} keys for {len(dest)} pages of buffers")
-        return self._read_prefix(list(keys), [list(d) for d in dest]) if keys else 0
+        if not keys or (cached and not _NOWAIT):
+            return 0
+        return self._read_prefix(list(keys), [list(d) for d in dest], cached, gate)
 
-    def _read_prefix(self, keys: list[str], dest: list[list[memoryview]] | None) -> int:
+    def _read_prefix(
+        self,
+        keys: list[str],
+        dest: list[list[memoryview]] | None,
+        cached: bool = False,
+        gate: WriteGate | None = None,
+    ) -> int:
         """How many leading keys have a whole record of their key; with ``dest``, read
         each payload straight into its buffers (one ``preadv``: a host page, or an
         engine block's parts) and check its checksum there. A page costs an open, one
-        ``fstat`` and a ``pread`` of its header (no file object), then the ``preadv``."""
+        ``fstat`` and a ``pread`` of its header (no file object), then the ``preadv``
+        (``cached``, ``gate``: :meth:`blocking_get_into_parts`)."""
+        flags = _NOWAIT if cached else 0
         with _Reader(self) as r:
             for i, key in enumerate(keys):
                 opened = r.open_fd(key)
@@ -312,7 +337,10 @@ class FileStorage(Storage):
                         if found.length != sum(b.nbytes for b in parts):
                             return i
                         # (a version 1 header is shorter than what was read: offset is exact)
-                        if os.preadv(fd, parts, found.offset) != found.length:
+                        if gate is None and not flags:
+                            if os.preadv(fd, parts, found.offset) != found.length:
+                                return i
+                        elif not _read_payload(gate, fd, parts, found.offset, found.length, flags):
                             return i
                         if not intact_parts(found, parts):
                             return i
@@ -445,6 +473,32 @@ def _place(key: str) -> tuple[str, str]:
     """(fan-out directory, file name) of ``key``: both plain names, never a path."""
     name = key if _PLAIN_KEY.fullmatch(key) else "h" + hashlib.sha256(key.encode()).hexdigest()
     return name[:2], name
+
+
+#: ``preadv``'s flag that reads only what the page cache holds (0: none on this system).
+_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
+
+#: What ``preadv`` raises where a cached-only read would have to wait, or cannot be asked.
+_NOT_CACHED = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+
+
+def _read_payload(
+    gate: WriteGate | None, fd: int, parts: list[memoryview], offset: int, length: int, flags: int
+) -> bool:
+    """One payload's ``preadv`` into ``parts`` (inside ``gate`` when given); whether it
+    read all ``length`` bytes (False: the gate is closed, or ``flags`` asked for cached
+    bytes only and the page cache did not hold them all)."""
+    if gate is not None and not gate.enter():
+        return False
+    try:
+        return os.preadv(fd, parts, offset, flags) == length
+    except OSError as exc:
+        if flags and exc.errno in _NOT_CACHED:
+            return False
+        raise
+    finally:
+        if gate is not None:
+            gate.leave()
 
 
 def _bytes_view(b: memoryview) -> memoryview:
