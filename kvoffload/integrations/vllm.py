@@ -42,6 +42,11 @@ an unknown key is refused):
   build), a thread on a GPU (see
   :attr:`~kvoffload.integrations.vllm_settings.Settings.loads`).
 
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {"kvoffload": {...}}})``:
+``"store": False`` (nothing of it is offloaded; it still loads), ``"load": False`` (the
+store is not asked for it; it is still stored); anything else there is logged once and
+left at its default (:func:`~kvoffload.integrations.vllm_plan.request_params`).
+
 What runs where. The scheduler side (role SCHEDULER, the EngineCore process) is a
 :class:`~kvoffload.integrations.vllm_plan.Planner`: one kvoffload lifecycle per request,
 which decides every copy, storage write and load, and when vLLM may have a request's

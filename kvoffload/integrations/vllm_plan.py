@@ -59,6 +59,7 @@ from kvoffload.lifecycle.spec import LifecycleState
 from kvoffload.pools import EnginePages, HostPool
 
 __all__ = [
+    "REQUEST_PARAMS",
     "SETTING_KEYS",
     "CopyJob",
     "LoadJob",
@@ -67,6 +68,7 @@ __all__ = [
     "Settings",
     "StepPlan",
     "WriteOrder",
+    "request_params",
 ]
 
 _RELEASED = LifecycleState.RELEASED
@@ -77,14 +79,45 @@ _ALL = 1 << 62
 # --- the scheduler's records ---------------------------------------------------------
 
 
+#: The keys of a request's ``kv_transfer_params["kvoffload"]`` (each a bool, default True).
+REQUEST_PARAMS = ("store", "load")
+
+
+def request_params(request: Any) -> tuple[bool, bool, str | None]:
+    """``(store, load, problem)`` of a vLLM request: what its
+    ``SamplingParams(extra_args={"kv_transfer_params": {"kvoffload": {"store": False}}})``
+    asks (``store``: its KV is offloaded; ``load``: it may load from the store; both
+    True unless set). ``problem`` names what was not understood (a key not in
+    :data:`REQUEST_PARAMS`, a value that is not a bool, not a dict); that part is left
+    at its default (the engine never fails a request over it: the planner logs it)."""
+    params = getattr(request, "kv_transfer_params", None)
+    mine = params.get("kvoffload") if isinstance(params, dict) else None
+    if mine is None:
+        return True, True, None
+    if not isinstance(mine, dict):
+        return True, True, f'kv_transfer_params["kvoffload"] must be a dict, got {type(mine).__name__}'
+    wrong = [f"{k!r}={v!r}" for k, v in mine.items() if k not in REQUEST_PARAMS or type(v) is not bool]
+    store, load = mine.get("store", True), mine.get("load", True)
+    problem = None
+    if wrong:
+        problem = (
+            f'kv_transfer_params["kvoffload"]: {", ".join(wrong)} not understood '
+            f"(keys: {', '.join(REQUEST_PARAMS)}, each True or False)"
+        )
+    return store if type(store) is bool else True, load if type(load) is bool else True, problem
+
+
 class _Request:
     """The planner's record of one live vLLM request (see the module doc)."""
 
-    __slots__ = ("lc", "load", "load_failed", "local", "off", "request", "seed")
+    __slots__ = ("lc", "load", "load_failed", "local", "no_load", "no_store", "off", "request", "seed")
 
     def __init__(self, request: Any, seed: str | None, off: bool) -> None:
         self.request = request
         self.seed = seed
+        # no_store / no_load: what the request asked (kv_transfer_params, request_params).
+        self.no_store = False
+        self.no_load = False
         # local: the engine's own prefix hit the last lookup was asked beyond.
         self.local = 0
         # lc: the request's lifecycle while it is scheduled; None before its first
@@ -205,6 +238,7 @@ class Planner:
         self._sync: dict[int, tuple[str, int | None, int]] = {}
         self._plan = StepPlan()
         self._refused_logged = False
+        self._params_logged = False
         self.clock = clock
 
     # --- the core's sink ---------------------------------------------------------------
@@ -255,7 +289,12 @@ class Planner:
                 self._refused_logged = True
                 logger.warning("vllm.request_refused", rid=rid, reason=why)
             seed = None if why else request_seed(self.namespace, request)
+            store, load, problem = request_params(request)
+            if problem is not None and not self._params_logged:
+                self._params_logged = True
+                logger.warning("vllm.request_params_ignored", rid=rid, problem=problem)
             rec = self._requests[rid] = _Request(request, seed, why is not None)
+            rec.no_store, rec.no_load = not store, not load
         return rec
 
     def add(self, request: Any) -> None:
@@ -268,7 +307,7 @@ class Planner:
         request's last token (vLLM computes it to sample the next). Asks the store;
         changes nothing else; a store error counts as 0 (logged)."""
         rec = self._record(request)
-        if rec.off or rec.load_failed or rec.load is not None or rec.lc is not None:
+        if rec.off or rec.no_load or rec.load_failed or rec.load is not None or rec.lc is not None:
             return 0
         bs = self.block_size
         rec.local = num_computed
@@ -385,7 +424,7 @@ class Planner:
                     self._released(self.core.abort(lc))
         for rid, n in scheduled:
             rec = self._requests.get(rid)
-            if rec is None or rec.off:
+            if rec is None or rec.off or rec.no_store:
                 continue
             request = rec.request
             try:

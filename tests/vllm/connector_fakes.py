@@ -45,8 +45,10 @@ class FakeRequest:
         lora_name: str | None = None,
         cache_salt: str | None = None,
         mm: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.kv_transfer_params = kv_transfer_params
         self._tokens = list(prompt)
         self.num_prompt_tokens = len(self._tokens)
         self.num_computed_tokens = 0

@@ -190,10 +190,17 @@ def test_the_fakes_have_the_real_classes_attributes() -> None:
     real = Request("r", [1, 2, 3], SamplingParams(max_tokens=4), None, cache_salt="s")
     fake = FakeRequest("r", [1, 2, 3], cache_salt="s")
     for name in ("request_id", "all_token_ids", "num_computed_tokens", "num_tokens", "num_prompt_tokens",
-                 "lora_request", "cache_salt", "mm_features", "prompt_embeds", "status"):  # fmt: skip
+                 "lora_request", "cache_salt", "mm_features", "prompt_embeds", "status",
+                 "kv_transfer_params"):  # fmt: skip
         assert hasattr(real, name), name
         assert hasattr(fake, name), name
     assert list(real.all_token_ids) == fake.all_token_ids and real.num_tokens == fake.num_tokens
+    # a request's kv_transfer_params come from its SamplingParams(extra_args=), as the fake's are given
+    asked = {"kvoffload": {"store": False}}
+    with_params = Request(
+        "p", [1], SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": asked}), None
+    )
+    assert with_params.kv_transfer_params == asked and real.kv_transfer_params is None
     params = inspect.signature(Request).parameters
     assert {"lora_request", "cache_salt", "mm_features", "prompt_embeds"} <= set(params)
     from vllm.v1.core.sched.output import SchedulerOutput as SO
