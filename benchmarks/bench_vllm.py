@@ -21,7 +21,8 @@ example, kvoffload; each round starts one column later):
   out, said so, where that module does not import.
 
 Each engine process first runs a warm-up request (its first forward pass is several
-times slower than the next), then the timed requests: ``--requests`` prompts sharing a
+times slower than the next) and a warm-up batch of the decode batch's shape (4 prompts
+decoding 8 tokens), then the timed requests: ``--requests`` prompts sharing a
 ``--prefix``-token prefix, each with its own 64-token tail, one at a time (time to first
 token, from vLLM's own request timestamps: queued to first token, the load included;
 prefill tokens computed = prompt tokens - ``num_cached_tokens``), then a batch of 4
@@ -46,12 +47,26 @@ ratios::
 
 A target whose rounds straddle it says so: its verdict is the median's, its range
 shows how far single processes went either way.
+
+Engine processes differ by more than storing costs (decode 30-40 ms a token between
+processes of the same column, 2% of the CPU of a decode batch in kvoffload's threads),
+so the kvoffload process also measures storing against itself: after its ``decode``
+batch (stored) it decodes two more fresh batches that ask not to be stored
+(``kv_transfer_params={"kvoffload": {"store": False}}``; the run fails if the store
+grew under them) and one more stored one, S Q Q S (``--pairs N``: N such groups; 0:
+none), and prints the ratio of the stored batches' ms per token to the quiet ones'::
+
+    decode stored/not stored, one kvoffload process: W (no target: storing's cost alone; rounds ...)
+
+It leaves out what the connector costs when it stores nothing (its hooks, vLLM's
+connector path): ``decode kvoffload/none`` holds that and the processes' spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import shutil
 import statistics
 import sys
@@ -92,6 +107,9 @@ def timed_phases(a: argparse.Namespace, round_no: int, *, timed: bool = True) ->
     phases: list[dict[str, Any]] = [
         {"name": "warmup", "requests": [ve.req("warm", ve.tokens(900 + round_no, 2 * BLOCK + 5), 2)]}
     ]
+    if timed:  # a first batch of the decode batches' shape runs slower: not a timed one
+        warm = [ve.req(f"warm-d{j}", ve.tokens(800 + 10 * round_no + j, 4 * BLOCK), 8) for j in range(4)]
+        phases.append({"name": "warmup-decode", "requests": warm})
     for i in range(a.requests):
         prompt = [*prefix, *ve.tokens(100 + i, TAIL)]
         phases.append({"name": f"ttft{i}", "requests": [ve.req(f"t{i}", prompt, 1)]})
@@ -100,6 +118,61 @@ def timed_phases(a: argparse.Namespace, round_no: int, *, timed: bool = True) ->
         decode = [ve.req(f"d{j}", ve.tokens(seed + j, 4 * BLOCK), a.decode) for j in range(4)]
         phases.append({"name": "decode", "requests": decode})
     return phases
+
+
+def pair_names(groups: int) -> list[tuple[str, bool]]:
+    """The kvoffload process's own decode batches after its ``decode`` batch (stored):
+    ``groups`` groups S Q Q S (the first group's first S is ``decode`` itself), so that
+    a drift within the process weighs on stored and quiet batches alike. (name, stored)."""
+    out: list[tuple[str, bool]] = []
+    for g in range(groups):
+        if g:
+            out.append((f"decode-stored{len(out)}", True))
+        out += [(f"decode-quiet{len(out)}", False), (f"decode-quiet{len(out) + 1}", False)]
+        out.append((f"decode-stored{len(out)}", True))
+    return out
+
+
+def pair_phases(a: argparse.Namespace, round_no: int) -> list[dict[str, Any]]:
+    """The kvoffload column's extra decode batches (:func:`pair_names`), each of fresh
+    prompts (seeded by the round and the batch), the quiet ones with
+    ``kv_transfer_params={"kvoffload": {"store": False}}``."""
+    out = []
+    for k, (name, stored) in enumerate(pair_names(a.pairs), start=1):
+        seed = 10_000 * (round_no + 1) + 100 * k
+        params = None if stored else {"kvoffload": {"store": False}}
+        reqs = [
+            ve.req(f"{name}-{j}", ve.tokens(seed + j, 4 * BLOCK), a.decode, kv_transfer_params=params)
+            for j in range(4)
+        ]
+        out.append({"name": name, "requests": reqs})
+    return out
+
+
+def pair_ratio(run: dict[str, Any]) -> float | None:
+    """The kvoffload process's decode ms/token of its stored batches over its quiet ones
+    (sums of each batch's median), or None where the run has no pairs. Raises
+    ``SystemExit`` when a quiet batch stored anything (the comparison would be void)."""
+    reqs, files = run["requests"], run.get("files", {})
+    extra = [name for name in run["phases"] if name.startswith(("decode-quiet", "decode-stored"))]
+    if not extra:
+        return None
+    names = ["decode", *extra]
+    for before, name in itertools.pairwise(names):
+        if name.startswith("decode-quiet") and files.get(name) != files.get(before):
+            raise SystemExit(f"the batch {name} asked not to be stored, yet the store grew: {files}")
+
+    def ms(phase: str) -> float:
+        mine = [
+            v
+            for k, v in reqs.items()
+            if (k[:1] == "d" and k[1:].isdigit() if phase == "decode" else k.startswith(f"{phase}-"))
+        ]
+        return statistics.median(v["decode_s_per_token"] * 1e3 for v in mine if v["decode_s_per_token"])
+
+    stored = [ms(n) for n in names if n == "decode" or n.startswith("decode-stored")]
+    quiet = [ms(n) for n in names if n.startswith("decode-quiet")]
+    return sum(stored) / sum(quiet)
 
 
 def summarize(run: dict[str, Any], a: argparse.Namespace) -> dict[str, float]:
@@ -111,9 +184,12 @@ def summarize(run: dict[str, Any], a: argparse.Namespace) -> dict[str, float]:
         "cached_tokens": statistics.median(reqs[n]["num_cached_tokens"] for n in t),
         "startup_s": run["startup_s"],
     }
-    d = [n for n in reqs if n.startswith("d") and reqs[n]["decode_s_per_token"] is not None]
-    if d:
+    d = [n for n in reqs if n[:1] == "d" and n[1:].isdigit() and reqs[n]["decode_s_per_token"] is not None]
+    if d:  # the "decode" phase's d0..d3 (the kvoffload process's pairs apart: pair_ratio)
         out["decode_ms"] = statistics.median(reqs[n]["decode_s_per_token"] * 1e3 for n in d)
+    pair = pair_ratio(run)
+    if pair is not None:
+        out["pair"] = pair
     return out
 
 
@@ -131,6 +207,17 @@ def main() -> None:
     p.add_argument("--prefix", type=int, help="tokens of the shared prefix (default 1536; --quick 512)")
     p.add_argument("--requests", type=int, default=3, help="timed prompts sharing the prefix, per engine")
     p.add_argument("--decode", type=int, default=64, help="tokens decoded per request of the decode batch")
+    p.add_argument(
+        "--storage",
+        help="the kvoffload column's store (a directory or URL; default: a directory in the work dir, "
+        "whose files show that the quiet batches stored nothing: not checked on another store)",
+    )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="groups S Q Q S of the kvoffload process's own decode batches, stored / not stored (0: none)",
+    )
     p.add_argument("--columns", default="none,example,kvoffload")
     p.add_argument("--keep", help="keep the engines' specs, results and logs in this directory")
     a = p.parse_args()
@@ -163,11 +250,11 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _kv(column: str, work: Path) -> dict[str, Any] | None:
+def _kv(column: str, work: Path, storage: str | None = None) -> dict[str, Any] | None:
     if column == "example":
         return ve.example_connector(work / "example-store")
     if column == "kvoffload":
-        return ve.kvoffload_connector(str(work / "kvoffload-store"), "bench", host_pages=512)
+        return ve.kvoffload_connector(storage or str(work / "kvoffload-store"), "bench", host_pages=512)
     return None
 
 
@@ -177,14 +264,21 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
     max_len = a.prefix + TAIL + 2 * BLOCK
 
     def spec(column: str, phases: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        out = {
             "model": str(model),
             "load_format": "dummy",
             "kv_cache_gib": 4,
-            "kv_transfer_config": _kv(column, work),
+            "kv_transfer_config": _kv(column, work, a.storage),
             "engine_args": {"max_model_len": max(max_len, 4 * BLOCK + a.decode + BLOCK)},
             "phases": phases,
         }
+        if column == "kvoffload" and a.storage is None:
+            out["watch_dir"] = str(work / "kvoffload-store")
+        return out
+
+    def phases_of(column: str, r: int) -> list[dict[str, Any]]:
+        extra = pair_phases(a, r) if column == "kvoffload" else []
+        return [*timed_phases(a, r), *extra]
 
     # The stores are filled by engine processes of their own before round 1.
     for column in columns:
@@ -203,7 +297,7 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
     for r in range(a.rounds):
         order = columns[r % len(columns) :] + columns[: r % len(columns)]
         for column in order:
-            run = ve.run_engine(spec(column, timed_phases(a, r)), work, f"r{r}-{column}")
+            run = ve.run_engine(spec(column, phases_of(column, r)), work, f"r{r}-{column}")
             errors = ve.engine_errors(run["log"])
             if errors:
                 raise SystemExit(f"engine r{r}-{column} logged errors: {errors[:5]}")
@@ -217,6 +311,8 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
             for num, den, key, label, digits, _ in _RATIOS
             if num in columns and den in columns
         )
+        if "kvoffload" in columns and "pair" in rows["kvoffload"][-1]:
+            ratios += f", {PAIR_LABEL} {rows['kvoffload'][-1]['pair']:.3f}"
         print(f"round {r + 1} ({' '.join(order)}): {line}; {ratios}")
 
     head = ("ttft ms", 9), ("prefill tok", 12), ("cached tok", 11), ("decode ms/tok", 14), ("startup s", 10)
@@ -241,6 +337,15 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
         else:
             bound, at_most = target
             print(target_line(label, med, bound, at_most=at_most, xs=xs, fmt=f".{digits}f"))
+    pairs = [row["pair"] for row in rows.get("kvoffload", []) if "pair" in row]
+    if pairs:
+        print(
+            f"{PAIR_LABEL}: {statistics.median(pairs):.3f} (no target: storing's cost alone; {spread(pairs)})"
+        )
+
+
+#: The kvoffload process's own comparison (pair_ratio), printed beside the targets.
+PAIR_LABEL = "decode stored/not stored, one kvoffload process"
 
 
 #: (numerator, denominator, figure, printed name, digits, (target, at most?) or None).

@@ -28,6 +28,8 @@ Spec keys:
   exported: the connector's figures through ``build_prom_metrics``).
 - ``inproc``: run vLLM's EngineCore in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
   default ``true``): the scheduler can then be read between steps (step phases).
+- ``watch_dir``: a directory (a file store's root): the result's ``files`` holds, per
+  phase, how many files were under it after the phase (its writes drained first).
 - ``phases``: a list; each has ``name``, ``requests`` and ``mode``:
 
   - ``"generate"``: the requests go to ``LLM.generate`` as one batch.
@@ -42,7 +44,8 @@ Spec keys:
 
   A request: ``name``, ``prompt`` (token ids), ``max_tokens``, optional ``logprobs``
   (default 1), ``extend_with`` (the name of a request of an earlier phase: its prompt
-  and its output tokens are put in front of ``prompt``).
+  and its output tokens are put in front of ``prompt``), ``kv_transfer_params`` (its
+  ``SamplingParams(extra_args={"kv_transfer_params": ...})``).
 
 The result: ``requests`` (per name: ``prompt`` length, ``output`` token ids,
 ``logprobs`` of the sampled tokens, ``num_cached_tokens``, the engine's own timestamps:
@@ -217,11 +220,13 @@ def main(spec_path: str, result_path: str) -> None:
         return [*head, *req["prompt"]]
 
     def params_of(req: dict[str, Any]) -> Any:
+        kv = req.get("kv_transfer_params")
         return SamplingParams(
             max_tokens=req["max_tokens"],
             temperature=0.0,
             logprobs=req.get("logprobs", 1),
             ignore_eos=True,
+            extra_args=None if kv is None else {"kv_transfer_params": kv},
         )
 
     for phase in spec["phases"]:
@@ -242,6 +247,8 @@ def main(spec_path: str, result_path: str) -> None:
         result.setdefault("phase_cpu_s", {})[phase["name"]] = _cpu_delta(cpu0, _thread_cpu())
         if sched is not None:
             result.setdefault("drain_steps", {})[phase["name"]] = _drain(llm, sched)
+        if spec.get("watch_dir"):
+            result.setdefault("files", {})[phase["name"]] = _count_files(spec["watch_dir"])
         for r, p in zip(reqs, prompts, strict=True):
             out = by_name.get(r["name"])
             if out is None:
@@ -314,6 +321,11 @@ def _thread_cpu() -> dict[str, float]:
         name = names.get(int(tid), comm)
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def _count_files(root: str) -> int:
+    """Files under ``root`` (a file store's records and anything else), 0 if it is not there."""
+    return sum(len(files) for _, _, files in os.walk(root))
 
 
 def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -40,3 +40,13 @@ def test_one_quick_round_prints_every_ratio(tmp_path: Path) -> None:
     assert prefill["kvoffload"] < prefill["none"] and prefill["example"] < prefill["none"], out
     for ratio in ("ttft recompute/kvoffload:", "ttft example/kvoffload:", "decode kvoffload/none:"):
         assert ratio in out, out
+    # the kvoffload process's own pairs ran, and its quiet batches stored nothing (the
+    # benchmark fails otherwise): kv_transfer_params={"kvoffload": {"store": False}} in a real engine
+    assert "decode stored/not stored, one kvoffload process:" in out, out
+    import json
+
+    (result,) = tmp_path.glob("r0-kvoffload.result.json")
+    files = json.loads(result.read_text())["files"]
+    assert files["decode-quiet1"] == files["decode-quiet0"] == files["decode"] < files["decode-stored2"], (
+        files
+    )
