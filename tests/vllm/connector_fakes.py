@@ -17,9 +17,11 @@ KV, and a test can check that a block holds exactly what computing it would writ
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +34,71 @@ from kvoffload.integrations.vllm_worker import Mover, block_tensors, rank_stores
 BS = 4  # tokens per block
 HEADS, HEAD = 2, 4
 LAYERS = 2
+
+
+class Forwarding(Storage):
+    """A store that passes every call to ``inner`` (a test overrides what it watches)."""
+
+    name = "forwarding"
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+
+    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
+        await self.inner.put(keys, pages)
+
+    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return await self.inner.get(keys)
+
+    async def exists_prefix(self, keys: Sequence[str]) -> int:
+        return await self.inner.exists_prefix(keys)
+
+    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
+        return await self.inner.get_into(keys, dest)
+
+    async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+        return await self.inner.get_into_parts(keys, dest)
+
+
+class HeldReads(Forwarding):
+    """A store whose reads (on the writer's loop) wait until ``go`` is set, then really
+    read (``reading`` is set once one waits): a load held in flight, or one that
+    outlives the worker's ``io_timeout_s``."""
+
+    name = "held"
+
+    def __init__(self, inner: Storage) -> None:
+        super().__init__(inner)
+        self.go = threading.Event()
+        self.reading = threading.Event()
+
+    async def _hold(self) -> None:
+        self.reading.set()
+        await asyncio.to_thread(self.go.wait, 30)
+
+    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
+        await self._hold()
+        return await self.inner.get_into(keys, dest)
+
+    async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
+        await self._hold()
+        return await self.inner.get_into_parts(keys, dest)
+
+
+def fill_store(
+    mover: Mover, store: Storage, keys: list[str], seed: int, skip: int | None = None
+) -> list[bytes]:
+    """Put one random page (``mover``'s page size, seeded) under each of ``keys`` through
+    ``mover``'s writer loop, all but the one at ``skip``; returns every page's bytes."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [
+        torch.randint(0, 256, (mover.device.page_bytes,), generator=g, dtype=torch.uint8).numpy().tobytes()
+        for _ in keys
+    ]
+    assert mover.writer is not None
+    kept = [(k, p) for i, (k, p) in enumerate(zip(keys, pages, strict=True)) if i != skip]
+    mover.writer.call(store.put([k for k, _ in kept], [p for _, p in kept]), 30)
+    return pages
 
 
 class FakeRequest:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from connector_fakes import fill_store
 
 from kvoffload.integrations.vllm_messages import LoadJob
 from kvoffload.integrations.vllm_worker import Mover, PrefixLookup, block_tensors, rank_stores
@@ -40,17 +41,6 @@ def _block(layers: list[torch.Tensor], b: int) -> bytes:
     return b"".join(kv[b].contiguous().view(torch.uint8).numpy().tobytes() for kv in layers)
 
 
-def _fill(m: Mover, store: FileStorage, keys: list[str]) -> list[bytes]:
-    g = torch.Generator().manual_seed(2)
-    pages = [
-        torch.randint(0, 256, (m.device.page_bytes,), generator=g, dtype=torch.uint8).numpy().tobytes()
-        for _ in keys
-    ]
-    assert m.writer is not None
-    m.writer.call(store.put(keys, pages), 30)
-    return pages
-
-
 def _no_async_reads(store: FileStorage) -> None:
     async def refused(*_: object) -> int:
         raise AssertionError("the load went through the store's async API")
@@ -68,7 +58,7 @@ def test_a_sync_load_on_the_file_store_reads_blocking_on_the_load_threads(
     m, layers = _mover(store)
     try:
         keys = [f"p{i}" for i in range(N)]
-        pages = _fill(m, store, keys)
+        pages = fill_store(m, store, keys, 2)
         want = N
         if damage is not None:
             what, at = damage.split()
@@ -111,7 +101,7 @@ def test_a_small_or_async_load_on_the_file_store_is_bounded_too(tmp_path: Path) 
     release = threading.Event()
     try:
         keys = [f"p{i}" for i in range(N)]
-        _fill(m, store, keys)
+        fill_store(m, store, keys, 2)
         assert m._blocking is not None
         real, real_cached = m._blocking.read, m._blocking.cached
 

@@ -21,12 +21,11 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from connector_fakes import BS, FakeRequest, Rig
+from connector_fakes import BS, FakeRequest, HeldReads, Rig, fill_store
 
 from kvoffload.abc import Storage
 from kvoffload.integrations.vllm_messages import LoadJob, RankReport
@@ -42,17 +41,6 @@ def _mover(store: Storage, io_timeout_s: float) -> tuple[Mover, list[torch.Tenso
     layers = [torch.zeros(NB, 2, BS, 8) for _ in range(3)]
     tensors = [t for i, kv in enumerate(layers) for t in block_tensors(kv, NB, BS, f"l{i}")]
     return Mover(tensors, block_size=BS, host_pages=32, storage=store, io_timeout_s=io_timeout_s), layers
-
-
-def _fill(m: Mover, store: Storage, keys: list[str]) -> list[bytes]:
-    g = torch.Generator().manual_seed(3)
-    pages = [
-        torch.randint(0, 256, (m.device.page_bytes,), generator=g, dtype=torch.uint8).numpy().tobytes()
-        for _ in keys
-    ]
-    assert m.writer is not None
-    m.writer.call(store.put(keys, pages), 30)
-    return pages
 
 
 def _reports_until(m: Mover, done: object, timeout: float = 30.0) -> list[RankReport]:
@@ -98,7 +86,7 @@ def test_a_late_file_read_never_writes_the_blocks_and_holds_its_host_pages(
     release, entered = threading.Event(), threading.Event()
     try:
         keys = [f"p{i}" for i in range(n)]
-        pages = _fill(m, store, keys)
+        pages = fill_store(m, store, keys, 3)
         _hang_blocking_reads(m, release, entered)
         blocks, host = list(range(n)), list(range(20, 20 + n))
         job = LoadJob(7, "r7", keys, blocks, host, sync=sync)
@@ -126,36 +114,6 @@ def test_a_late_file_read_never_writes_the_blocks_and_holds_its_host_pages(
         m.close()
 
 
-class _SlowReads(Storage):
-    """A store whose reads (on the writer's loop) wait for ``go``, then really read."""
-
-    name = "slow"
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.go = threading.Event()
-        self.reading = threading.Event()
-
-    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
-        await self.inner.put(keys, pages)
-
-    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self.inner.get(keys)
-
-    async def exists_prefix(self, keys: Sequence[str]) -> int:
-        return await self.inner.exists_prefix(keys)
-
-    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
-        self.reading.set()
-        await asyncio.to_thread(self.go.wait, 30)
-        return await self.inner.get_into(keys, dest)
-
-    async def get_into_parts(self, keys: Sequence[str], dest: Sequence[Sequence[memoryview]]) -> int:
-        self.reading.set()
-        await asyncio.to_thread(self.go.wait, 30)
-        return await self.inner.get_into_parts(keys, dest)
-
-
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 def test_through_the_scheduler_a_late_read_keeps_its_host_pages_until_it_ended(
     tmp_path: Path, sync: bool
@@ -173,7 +131,7 @@ def test_through_the_scheduler_a_late_read_keeps_its_host_pages_until_it_ended(
         first.settle()
     finally:
         first.close()
-    slow = _SlowReads(FileStorage(tmp_path))
+    slow = HeldReads(FileStorage(tmp_path))
     rig = Rig(slow, sync_loads=sync)
     for m in rig.movers:
         m.io_timeout_s = 0.1

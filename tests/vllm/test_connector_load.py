@@ -12,20 +12,16 @@ process and change with the namespace, LoRA adapter and cache salt (F22).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from connector_fakes import BS, FakeRequest, Rig, kv_value
+from connector_fakes import BS, FakeRequest, HeldReads, Rig, kv_value
 
-from kvoffload.abc import Storage
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm_keys import page_keys, request_seed, seed
 from kvoffload.integrations.vllm_plan import RankReport, Settings
@@ -165,38 +161,13 @@ def test_a_bad_page_is_a_load_error_never_served(tmp_path: Path, damage: str) ->
         rig.close()
 
 
-class _HeldReads(Storage):
-    """A store whose reads wait until ``go`` is set (a load held in flight)."""
-
-    name = "held"
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.go = threading.Event()
-        self.reading = threading.Event()
-
-    async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
-        await self.inner.put(keys, pages)
-
-    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self.inner.get(keys)
-
-    async def exists_prefix(self, keys: Sequence[str]) -> int:
-        return await self.inner.exists_prefix(keys)
-
-    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
-        self.reading.set()
-        await asyncio.to_thread(self.go.wait, 30)
-        return await self.inner.get_into(keys, dest)
-
-
 def test_abort_mid_load_cancels_it_and_reports_once_no_copy_writes(tmp_path: Path) -> None:
     """request_finished on a loading request cancels its load: the next plan carries
     the cancel, the worker copies nothing it had not copied, and the request appears
     in finished_recving only once the load job ended (vLLM frees the blocks then)."""
     prompt = list(range(1300, 1313))
     _store_prompt(tmp_path, prompt)
-    held = _HeldReads(FileStorage(tmp_path))
+    held = HeldReads(FileStorage(tmp_path))
     rig = Rig(held)
     try:
         req = FakeRequest("b", prompt)

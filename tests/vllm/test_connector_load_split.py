@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from connector_fakes import fill_store
 
 from kvoffload.integrations import vllm_worker
 from kvoffload.integrations.vllm_messages import LoadJob
@@ -34,24 +35,12 @@ def _block(layers: list[torch.Tensor], b: int) -> bytes:
     return b"".join(kv[b].contiguous().view(torch.uint8).numpy().tobytes() for kv in layers)
 
 
-def _fill(m: Mover, store: MemoryStorage, keys: list[str], missing: int | None) -> list[bytes]:
-    g = torch.Generator().manual_seed(1)
-    pages = [
-        torch.randint(0, 256, (m.device.page_bytes,), generator=g, dtype=torch.uint8).numpy().tobytes()
-        for _ in keys
-    ]
-    assert m.writer is not None
-    kept = [(k, p) for i, (k, p) in enumerate(zip(keys, pages, strict=True)) if i != missing]
-    m.writer.call(store.put([k for k, _ in kept], [p for _, p in kept]), 30)
-    return pages
-
-
 @pytest.mark.parametrize("missing", [None, 3, 9], ids=["whole", "first half short", "second half short"])
 def test_a_split_sync_load_reports_its_leading_pages_and_their_bytes(missing: int | None) -> None:
     m, layers, store = _mover()
     try:
         keys = [f"p{i}" for i in range(N)]
-        pages = _fill(m, store, keys, missing)
+        pages = fill_store(m, store, keys, 1, missing)
         blocks = list(range(30, 30 - N, -1))  # reversed, as vLLM hands them
         job = LoadJob(1, "r1", keys, blocks, list(range(31, 31 - N, -1)), sync=True)
         halves: list[str] = []
@@ -80,7 +69,7 @@ def test_an_async_load_or_a_small_one_is_read_in_one_piece() -> None:
     m, _layers, store = _mover()
     try:
         keys = [f"p{i}" for i in range(N)]
-        _fill(m, store, keys, None)
+        fill_store(m, store, keys, 1)
         calls: list[tuple[int, int]] = []
         real = m._read_copy
 

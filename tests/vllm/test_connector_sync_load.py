@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from connector_fakes import BS, FakeRequest, Rig
+from connector_fakes import BS, FakeRequest, Forwarding, Rig
 
 from kvoffload.abc import Storage
 from kvoffload.integrations.vllm_keys import page_keys, request_seed
@@ -42,27 +42,18 @@ def _store_prompt(root: Path, world_size: int = 1) -> None:
         rig.close()
 
 
-class _Puts(Storage):
+class _Puts(Forwarding):
     """A store that records every key written."""
 
     name = "puts"
 
     def __init__(self, inner: Storage) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.keys: list[str] = []
 
     async def put(self, keys: Sequence[str], pages: Sequence[bytes]) -> None:
         self.keys += list(keys)
         await self.inner.put(keys, pages)
-
-    async def get(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self.inner.get(keys)
-
-    async def exists_prefix(self, keys: Sequence[str]) -> int:
-        return await self.inner.exists_prefix(keys)
-
-    async def get_into(self, keys: Sequence[str], dest: Sequence[memoryview]) -> int:
-        return await self.inner.get_into(keys, dest)
 
 
 def _request() -> FakeRequest:
