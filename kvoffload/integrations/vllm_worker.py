@@ -21,7 +21,11 @@ the forward, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_erro
   step reuses it;
 - storage writes and loads start at ``start_load_kv``: a write reads host pages only;
   a load reads the store into host pages, then copies them into the request's blocks
-  (one fused job: no scheduler round trip between the read and the copy). A
+  (one fused job: no scheduler round trip between the read and the copy; a
+  synchronous one on a CPU reads what the file store's page cache holds straight into
+  the blocks). Every write into the blocks is made inside the load's gate, closed
+  before the load is reported: a read that outlives its wait writes only its host
+  pages, which stay the load's until it ended (``RankReport.reading``). A
   synchronous load (:attr:`LoadJob.sync`) runs there, the calling thread waiting for
   it (on the file store its reads run on the load threads, at most ``io_timeout_s``):
   vLLM calls ``start_load_kv`` before the forward of a step with synchronous loads,
@@ -354,8 +358,9 @@ class Mover:
         self._load_errors: set[int] = set()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvoffload.vllm-load")
         # _block_views: per engine tensor (a host page's order), a writable byte view of
-        #   each block: a synchronous load on a CPU reads pages straight into them (a
-        #   page that fails its check is in its block then: reported, vLLM recomputes it).
+        #   each block: a synchronous load on a CPU reads what the file store's page
+        #   cache holds straight into them, inside the load's gate (a page that fails its
+        #   check is in its block then: reported, vLLM recomputes it).
         self._block_views: list[Any] | None = None  # numpy (n_pages, page bytes) arrays
         if self.device.device.type == "cpu":
             import torch
