@@ -160,8 +160,13 @@ def blocking_reads(store: Storage) -> BlockingReads | None:
     if not (callable(count) and callable(read)):
         return None
 
+    if not suffix:  # the store's own calls: no layer on the lookup's and the load's path
+        return BlockingReads(
+            count, read, lambda keys, parts, gate: int(read(keys, parts, cached=True, gate=gate))
+        )
+
     def named(keys: list[str]) -> list[str]:
-        return [k + suffix for k in keys] if suffix else keys
+        return [k + suffix for k in keys]
 
     return BlockingReads(
         lambda keys: int(count(named(keys))),
@@ -533,7 +538,7 @@ class Mover:
         except TimeoutError:
             raise self._timed_out() from None
 
-    def _read(self, job: LoadJob, keys: list[str], parts: list[list[memoryview]]) -> int:
+    def _read(self, run: _Run, keys: list[str], parts: list[list[memoryview]]) -> int:
         """Read ``keys`` into ``parts`` (host pages: memory the load holds until every
         read of it ended): blocking where the store reads blocking (the caller is a load
         thread, its wait bounded by whoever waits on it), else on the storage writer's
@@ -547,7 +552,6 @@ class Mover:
         else:
             read = self.storage.get_into_parts(keys, parts)
         fut = self.writer.submit(read)
-        run = self._runs[job.id]
         with self._lock:
             run.reads.append(fut)
         try:
@@ -577,7 +581,7 @@ class Mover:
         first = start + got
         host = job.host_pages[first:stop]
         dest = _writable_pages(self.host, host)
-        more = self._read(job, keys[got:], [[d] for d in dest])
+        more = self._read(run, keys[got:], [[d] for d in dest])
         del dest
         with self._lock:
             cancelled = job.id in self._cancelled
