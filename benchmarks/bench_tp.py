@@ -2,18 +2,29 @@
 same gloo group (issue 25, point 1): ``ratio kvoffload/sglang tp2`` and ``tp4``.
 
 Each rank is a spawned process (kvoffload._testing.ranks.LocalRanks, one gloo group).
-On every rank, in every round, the two sides run the same three cases, in an order
-that alternates from round to round (rounds interleaved), each call timed from a
-common start (an untimed all-reduce before it, so a late rank does not inflate the
-others' figures):
+On every rank, in every round, both sides run the same three cases, each call timed
+from a common start (an untimed all-reduce before it, so a late rank does not inflate
+the others' figures). Each step of a round is taken by both sides before either's next
+call, and within each case the two sides' calls alternate one by one, the first side
+alternating from round to round: so every call comes after the same history.
 
-- ``idle``: nothing in flight, nothing ready: ``IDLE_SKIPS + 1`` calls in a row (one
-  whole cycle of kvoffload's skip schedule, so its skipped polls and the one that runs
-  the collective are counted alike);
-- ``in flight``: 64 copies in flight (kvoffload: one per lifecycle; SGLang: 64 entries
-  of ``ongoing_offload``), none finished: one call, after an untimed one on each side
-  (the step the copies went out in);
-- ``64 ready``: every rank finished the 64: one call delivers them.
+- ``idle``: nothing in flight, nothing ready: ``IDLE_SKIPS + 1`` calls (one whole cycle
+  of kvoffload's skip schedule, so its skipped polls and the one that runs the
+  collective are counted alike);
+- ``in flight``: both sides send 64 copies (kvoffload: one ``extend`` per lifecycle;
+  SGLang: 64 entries of ``ongoing_offload``), untimed, then each makes the untimed call
+  of the step they went out in; then one timed call each, none finished;
+- ``64 ready``: every rank finished the 64 on both sides: one call each delivers them.
+
+Why paired: on 2 shared cores, an all-reduce is slower right after a burst of CPU on
+the ranks (gloo's ring needs every rank's process scheduled in turn). The former
+layout (one side's whole round, then the other's) timed each side after its own
+sending - kvoffload's 64 extends hash and plan, about 0.6-0.7 ms of CPU, SGLang's 64
+records 0.09 ms - so its ``in flight`` call carried that difference: with a busy wait
+of 0.8 ms added before SGLang's untimed call, its ``in flight`` call went from 1.4 to
+3.2 ms (median, 4 ranks, one run), where kvoffload's was 3.3 ms. The run prints that
+layout's ratio too, without a target, and the sending time of both sides; what an
+``extend`` costs is measured by ``bench_bookkeeping.py`` and ``bench_core_sglang.py``.
 
 kvoffload's side is the real ``SyncOffloadManager.poll()`` with ``group=`` (its real
 agreement, :mod:`kvoffload.drivers.distributed`, on a :class:`~kvoffload.testing.SimBackend`).
@@ -58,6 +69,9 @@ TARGET = 1.1
 CASES = ("idle", "in flight", "64 ready")
 #: The cases of the headline ratio: copies in flight, none ready or 64 ready.
 BUSY = ("in flight", "64 ready")
+SIDES = ("kvoffload", "sglang")
+#: "paired": the target's layout; "separate": the former one, printed beside it.
+LAYOUTS = ("paired", "separate")
 
 
 def cfg(rounds: int) -> kvo.OffloadConfig:
@@ -219,9 +233,11 @@ class SGLangCheck:
 # --- one rank --------------------------------------------------------------------------
 
 
-def measure(ctx: RankContext, rounds: int) -> dict[str, Any]:
+def measure(ctx: RankContext, rounds: int, layout: str = "paired") -> dict[str, Any]:
     """On one rank: per round, seconds of each side in each case; and the polls kvoffload
-    skipped (the same on every rank)."""
+    skipped (the same on every rank). ``layout``: ``"paired"`` (both sides prepared
+    first, then each case's two calls back to back, their order alternating) or
+    ``"separate"`` (the former layout: each side prepares, then runs its calls)."""
     import torch
     import torch.distributed as dist
 
@@ -239,62 +255,83 @@ def measure(ctx: RankContext, rounds: int) -> dict[str, Any]:
     tp = mgr._tp
     assert tp is not None and tp._buf.numel() == HEADER + 2 * mgr.config.tp_window
     sgl = SGLangCheck(group, ctx.size)
+    cc = sgl.cache_controller
     reqs = [_Req(f"r{i}") for i in range(N)]
     lcs = [mgr.admit(f"r{i}", list(range(PAGE))) for i in range(N)]
     mgr.poll()  # the admissions agreed: idle polls may skip from here
     host = torch.arange(PAGE)
     tok = list(range(PAGE))
     ack_ids = iter(range(1 << 40))
-    times: dict[str, dict[str, list[float]]] = {s: {c: [] for c in CASES} for s in ("kvoffload", "sglang")}
+    times: dict[str, dict[str, list[float]]] = {s: {c: [] for c in CASES} for s in SIDES}
+    # prep: per round, each side's (untimed) sending of its 64 copies.
+    prep: dict[str, list[float]] = {s: [] for s in SIDES}
+    delivered: list[int] = []
+    sgl_ids: list[int] = []
 
-    def timed(call: Any, calls: int = 1) -> float:
-        total = 0.0
-        for _ in range(calls):
-            barrier()
-            t0 = time.perf_counter()
-            call()
-            total += time.perf_counter() - t0
-        return total
+    def timed(call: Any) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        call()
+        return time.perf_counter() - t0
 
-    def kvo_round() -> dict[str, float]:
-        out = {"idle": timed(mgr.poll, IDLE_SKIPS + 1)}
-        for lc in lcs:  # 64 copies go out
+    def kvo_ready() -> None:
+        delivered.append(mgr.poll())
+
+    def kvo_send() -> None:  # 64 copies go out
+        for lc in lcs:
             lc.extend(tok)
-        mgr.poll()  # they start (untimed)
-        out["in flight"] = timed(mgr.poll)  # none finished anywhere
-        backend.complete_all()  # every rank finished all 64
-        delivered = []
-        out["64 ready"] = timed(lambda: delivered.append(mgr.poll()))
-        assert delivered == [N], delivered
-        return out
 
-    def sgl_round() -> dict[str, float]:
-        cc = sgl.cache_controller
-        cc.backup_queue.clear()  # the storage thread took them (untimed)
+    def sgl_send() -> None:  # the storage thread took the last backups; 64 copies go out
+        cc.backup_queue.clear()
         sgl.ongoing_backup.clear()
-        out = {"idle": timed(sgl.check_offload_progress, IDLE_SKIPS + 1)}
-        ids = []
-        for req in reqs:  # 64 copies go out
+        sgl_ids.clear()
+        for req in reqs:
             ack_id = next(ack_ids)
             sgl.offload(req, ack_id, host, tok)
-            ids.append(ack_id)
-        sgl.check_offload_progress()  # the step they went out in (untimed, as kvoffload's)
-        out["in flight"] = timed(sgl.check_offload_progress)  # none finished
-        cc.ack_write_queue.extend(_Ack([i]) for i in ids)  # every rank finished all 64
-        out["64 ready"] = timed(sgl.check_offload_progress)
-        assert not sgl.ongoing_offload and not cc.ack_write_queue
-        return out
+            sgl_ids.append(ack_id)
+
+    def sgl_finish() -> None:  # every rank finished all 64
+        cc.ack_write_queue.extend(_Ack([i]) for i in sgl_ids)
+
+    calls: dict[str, dict[str, Any]] = {
+        "kvoffload": {"idle": mgr.poll, "in flight": mgr.poll, "64 ready": kvo_ready},
+        "sglang": {c: sgl.check_offload_progress for c in CASES},
+    }
+    send = {"kvoffload": kvo_send, "sglang": sgl_send}
+    finish = {"kvoffload": backend.complete_all, "sglang": sgl_finish}
+
+    def run(order: tuple[str, ...], case: str) -> None:
+        """Each side's calls of ``case`` (a whole skip cycle for "idle"); with two sides,
+        their calls alternate one by one, the first in ``order`` going first."""
+        total = dict.fromkeys(order, 0.0)
+        for i in range(IDLE_SKIPS + 1 if case == "idle" else 1):
+            for side in order if i % 2 == 0 else order[::-1]:
+                total[side] += timed(calls[side][case])
+        for side, t in total.items():
+            times[side][case].append(t)
 
     for r in range(rounds):
-        order = (("kvoffload", kvo_round), ("sglang", sgl_round))
-        for side, fn in order if r % 2 == 0 else order[::-1]:
-            for case, dt in fn().items():
-                times[side][case].append(dt)
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        # paired: each step of the round is taken by both sides before either's next
+        # call, so both call with the same history; separate: one side, then the other.
+        for together in (order,) if layout == "paired" else tuple((side,) for side in order):
+            run(together, "idle")
+            for side in together:
+                t0 = time.perf_counter()
+                send[side]()
+                prep[side].append(time.perf_counter() - t0)
+                calls[side]["idle"]()  # the step they go out in (untimed)
+            run(together, "in flight")
+            for side in together:
+                finish[side]()
+            run(together, "64 ready")
+        assert delivered == [N] * (r + 1), delivered[-3:]
+        assert not sgl.ongoing_offload and not cc.ack_write_queue
     for lc in lcs:
         lc.finish()
-    skipped, compact, calls = tp.polls_skipped, tp.compact_agreed, tp.calls
+    skipped, compact, n_calls = tp.polls_skipped, tp.compact_agreed, tp.calls
     mgr.close()
-    return {"times": times, "skipped": skipped, "compact": compact, "calls": calls}
+    return {"times": times, "prep": prep, "skipped": skipped, "compact": compact, "calls": n_calls}
 
 
 def _ratios(res: list[dict[str, Any]], cases: tuple[str, ...]) -> list[float]:
@@ -319,13 +356,15 @@ def main(rounds: int = 60) -> None:
         f"bench_tp: kvoffload poll() against SGLang 0.5.23's check_offload_progress(), side by side on "
         f"one gloo group (loopback), {rounds} rounds interleaved; the slowest rank per call"
     )
-    results = {}
+    results: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for size in (2, 4):
         with LocalRanks(size, timeout_s=900) as ranks:
-            res = ranks.run(measure, rounds, timeout=900)
-        skips = {r["skipped"] for r in res}
-        assert len(skips) == 1, f"ranks skipped different polls: {skips}"
-        results[size] = res
+            for layout in LAYOUTS:
+                results[layout, size] = res = ranks.run(measure, rounds, layout, timeout=900)
+                skips = {r["skipped"] for r in res}
+                assert len(skips) == 1, f"ranks skipped different polls: {skips}"
+        res = results["paired", size]
+        skipped = res[0]["skipped"]
         print(f"tp{size}: µs per call (median over rounds)    kvoffload     sglang   ratio (per round)")
         for case in CASES:
             calls = IDLE_SKIPS + 1 if case == "idle" else 1
@@ -336,18 +375,36 @@ def main(rounds: int = 60) -> None:
                 f"{k:>10.1f} {g:>10.1f}   {statistics.median(xs):.3f} ({spread(xs)})"
             )
         print(
-            f"tp{size}: kvoffload on every rank: {res[0]['calls']} calls, {skips.pop()} polls skipped "
+            f"tp{size}: kvoffload on every rank: {res[0]['calls']} calls, {skipped} polls skipped "
             f"(nothing to agree on), {res[0]['compact']} decided by the 2-int64 exchange alone"
+        )
+        k, g = (statistics.median(x for r in res for x in r["prep"][side]) * 1e6 for side in SIDES)
+        print(
+            f"tp{size}: untimed, sending the 64 copies (µs, median, any rank): "
+            f"kvoffload {k:.1f}, sglang {g:.1f}"
         )
     for label, cases in (("", BUSY), ("idle ", ("idle",))):
         for size in (2, 4):
-            xs = _ratios(results[size], cases)
+            xs = _ratios(results["paired", size], cases)
             name = f"ratio kvoffload/sglang {label}tp{size}"
             print(target_line(name, statistics.median(xs), TARGET, at_most=True, xs=xs))
+    for size in (2, 4):
+        xs = _ratios(results["separate", size], BUSY)
+        print(
+            f"each side after its own preparation, tp{size}: {statistics.median(xs):.3f} "
+            f"({spread(xs)}; no target)"
+        )
     print(
         "ratio tpN: per round, each side's time over its in-flight and 64-ready calls (the slowest "
         "rank's per call), kvoffload's over SGLang's; the figure is the median of the per-round "
         "ratios. 'idle tpN': the same over one cycle of the skip schedule with nothing in flight. "
+        "Both sides are prepared before either calls (the 64 copies sent, then finished), and "
+        "each case's calls alternate, so every call comes after the same history. 'each side "
+        "after its own preparation': the same calls where one side runs its whole round, then "
+        "the other (this benchmark's former layout): there each call also carries what its own "
+        "untimed preparation just did to the shared cores' scheduling (the 'untimed' lines: "
+        "kvoffload's 64 extends, which hash and plan, against SGLang's 64 records; what an "
+        "extend costs is bench_bookkeeping's and bench_core_sglang's to measure). "
         "gloo's ring all-reduce costs by the number of ring steps, which grows with the "
         "vector's length up to the group's size: SGLang's is 2 int32; kvoffload's 2 int64, then "
         f"{HEADER} + 2 * tp_window int64 only where a rank needs the full exchange."
