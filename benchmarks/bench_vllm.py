@@ -209,8 +209,14 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=64, help="tokens decoded per request of the decode batch")
     p.add_argument(
         "--storage",
-        help="the kvoffload column's store (a directory or URL; default: a directory in the work dir, "
-        "whose files show that the quiet batches stored nothing: not checked on another store)",
+        help="the kvoffload column's store (a directory or URL; default: a file store in the work dir "
+        "writing direct, file://DIR?direct=1, whose files show that the quiet batches stored nothing: "
+        "not checked on another store)",
+    )
+    p.add_argument(
+        "--page-cache",
+        action="store_true",
+        help="the default store writes through the page cache (no direct=1)",
     )
     p.add_argument(
         "--pairs",
@@ -243,6 +249,8 @@ def main() -> None:
         f"decode batch 4 x {a.decode} tokens; {a.rounds} rounds"
     )
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    if "kvoffload" in columns:
+        print(f"kvoffload store: {kvoffload_store(a, work)}")
     try:
         _run(a, cfg, columns, work)
     finally:
@@ -250,11 +258,20 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _kv(column: str, work: Path, storage: str | None = None) -> dict[str, Any] | None:
+def kvoffload_store(a: argparse.Namespace, work: Path) -> str:
+    """The kvoffload column's store: ``--storage``, else a file store in ``work`` that
+    writes direct (``?direct=1``: no new page-cache memory per stored page; see
+    docs/integrations/vllm.md) unless ``--page-cache``."""
+    if a.storage:
+        return str(a.storage)
+    return str(work / "kvoffload-store") if a.page_cache else f"file://{work / 'kvoffload-store'}?direct=1"
+
+
+def _kv(column: str, work: Path, storage: str) -> dict[str, Any] | None:
     if column == "example":
         return ve.example_connector(work / "example-store")
     if column == "kvoffload":
-        return ve.kvoffload_connector(storage or str(work / "kvoffload-store"), "bench", host_pages=512)
+        return ve.kvoffload_connector(storage, "bench", host_pages=512)
     return None
 
 
@@ -268,7 +285,7 @@ def _run(a: argparse.Namespace, cfg: dict[str, Any], columns: list[str], work: P
             "model": str(model),
             "load_format": "dummy",
             "kv_cache_gib": 4,
-            "kv_transfer_config": _kv(column, work, a.storage),
+            "kv_transfer_config": _kv(column, work, kvoffload_store(a, work)),
             "engine_args": {"max_model_len": max(max_len, 4 * BLOCK + a.decode + BLOCK)},
             "phases": phases,
         }

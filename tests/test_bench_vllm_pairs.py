@@ -40,3 +40,24 @@ def test_a_quiet_batch_that_grew_the_store_voids_the_run() -> None:
     files = {"decode": 8, "decode-quiet0": 8, "decode-quiet1": 9, "decode-stored2": 12}
     with pytest.raises(SystemExit, match="decode-quiet1 asked not to be stored"):
         bv.pair_ratio(_run(ms, files))
+
+
+def test_the_kvoffload_column_stores_direct_unless_told(tmp_path: Path) -> None:
+    """The default store is the work dir's file store writing direct (``?direct=1``, a
+    URL the connector's store opener takes); ``--page-cache`` drops ``direct``;
+    ``--storage`` is used as given."""
+    import argparse
+
+    from kvoffload.storage import resolve_storage
+    from kvoffload.storage.file import FileStorage
+
+    def args(**kw: Any) -> argparse.Namespace:
+        return argparse.Namespace(**{"storage": None, "page_cache": False, **kw})
+
+    url = bv.kvoffload_store(args(), tmp_path)
+    assert url == f"file://{tmp_path / 'kvoffload-store'}?direct=1"
+    store = resolve_storage(url)
+    assert isinstance(store, FileStorage) and store.root == tmp_path / "kvoffload-store"
+    assert store.describe()["direct"] is bool(getattr(__import__("os"), "O_DIRECT", 0))
+    assert bv.kvoffload_store(args(page_cache=True), tmp_path) == str(tmp_path / "kvoffload-store")
+    assert bv.kvoffload_store(args(storage="redis://x"), tmp_path) == "redis://x"

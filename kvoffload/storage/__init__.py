@@ -38,6 +38,7 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
     if storage is None or isinstance(storage, Storage):
         return storage
     path: str | None = None
+    options: dict[str, bool] = {}
     if isinstance(storage, os.PathLike):
         path = os.fspath(storage)
     elif isinstance(storage, str):
@@ -54,13 +55,14 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
 
             return MooncakeStore(storage)
         if storage.startswith("file://"):
-            path = storage.removeprefix("file://")
+            path, _, query = storage.removeprefix("file://").partition("?")
+            options = _file_options(query, storage)
         elif "://" not in storage and ("/" in storage or os.sep in storage or storage[:1] in (".", "~")):
             path = storage
     if path:
         from kvoffload.storage.file import FileStorage
 
-        return FileStorage(path)
+        return FileStorage(path, **options)
     from kvoffload.storage._url import redact
 
     shown = redact(storage) if isinstance(storage, str) else storage
@@ -68,3 +70,25 @@ def resolve_storage(storage: str | os.PathLike[str] | Storage | None) -> Storage
         f"unknown storage {shown!r}; choose None, 'memory', a directory path (./name or /abs/path), "
         "a redis:// URL, a mooncake://HOST:PORT URL, or pass a Storage instance"
     )
+
+
+#: The settings a ``file://`` URL's query may give (booleans: ``1``/``0``, ``true``/``false``).
+FILE_URL_OPTIONS = ("direct", "fsync")
+
+
+def _file_options(query: str, url: str) -> dict[str, bool]:
+    """``file:///dir?direct=1&fsync=0``'s settings; raises :class:`~kvoffload.ConfigError`
+    naming an unknown key or a value that is not a boolean."""
+    from urllib.parse import parse_qsl
+
+    out: dict[str, bool] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in FILE_URL_OPTIONS:
+            raise ConfigError(
+                f"file storage URL {url!r}: unknown setting {key!r}; known: {list(FILE_URL_OPTIONS)}"
+            )
+        flag = {"1": True, "true": True, "0": False, "false": False}.get(value.lower())
+        if flag is None:
+            raise ConfigError(f"file storage URL {url!r}: {key}={value!r} is not 1, 0, true or false")
+        out[key] = flag
+    return out

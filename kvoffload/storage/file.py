@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import itertools
+import mmap
 import os
 import re
 import socket
 import stat
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from kvoffload.abc import Storage
+from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError, PartialWriteError, StorageError
 from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header, header_size, intact_parts, payload_offset
@@ -57,6 +61,12 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC  # a FIFO must not block a read
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+#: O_DIRECT where the platform has it (Linux); 0 elsewhere: ``direct=True`` then writes
+#: through the page cache, as without it.
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: What a direct write's buffer, length and file offset are aligned to (the largest
+#: logical block size of common devices; a multiple of every smaller one).
+DIRECT_ALIGN = 4096
 #: What opening a symlink with O_NOFOLLOW raises (ELOOP; EMLINK on some BSDs).
 _SYMLINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
 #: This host in temporary names, so a store shared over NFS cleans only its own dead writers.
@@ -79,6 +89,15 @@ class FileStorage(Storage):
     crash; it costs a disk flush per page. Many processes may share one root: renames
     are atomic, and two writers of one key write the same page (keys name tokens).
 
+    ``direct=True`` writes each record with ``O_DIRECT``, around the page cache: the
+    record (the same bytes as without it) is copied into an aligned buffer of the
+    writing thread, padded to ``DIRECT_ALIGN``, written, and the file cut back to the
+    record's length. A write then takes no new page-cache memory (what a store that
+    only grows otherwise takes, page by page, from the engine's machine), and a read
+    comes from the device instead of memory. Where the file system refuses
+    ``O_DIRECT`` (tmpfs) the store logs ``storage.direct_off`` once and writes through
+    the page cache. ``direct_writes`` counts the records written direct.
+
     Opening the store removes temporary files of dead writers: this host's writers
     whose process is gone, and anyone's older than ``stale_tmp_s`` seconds.
     """
@@ -92,7 +111,10 @@ class FileStorage(Storage):
         fsync: bool = False,
         mode: int = DEFAULT_MODE,
         stale_tmp_s: float = STALE_TMP_S,
+        direct: bool = False,
     ) -> None:
+        if type(direct) is not bool:
+            raise ConfigError(f"file storage: direct must be a bool, got {direct!r}")
         if type(mode) is not int or not 0 <= mode <= 0o777 or mode & 0o600 != 0o600:
             raise ConfigError(
                 f"file storage: mode must be an int in 0o600..0o777 with owner rw, got {mode!r}"
@@ -102,6 +124,11 @@ class FileStorage(Storage):
         self.mode = mode
         self.dir_mode = _dir_mode(mode)
         self.stale_tmp_s = stale_tmp_s
+        # direct: whether records are written with O_DIRECT; it turns False (for good,
+        # logged once) where the file system refuses it. direct_writes: records so written.
+        self.direct = direct and bool(_O_DIRECT)
+        self.direct_writes = 0
+        self._bounce = threading.local()  # each writing thread's aligned buffer (reused)
         # _chmod: the umask may take bits of mode away: set them after creating.
         self._chmod = bool(mode & 0o077)
         try:
@@ -220,12 +247,27 @@ class FileStorage(Storage):
 
     def _write_one(self, dfd: int, name: str, header: bytes, page: bytes | memoryview) -> None:
         tmp = f".{name}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"
-        fd = os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd)
+        direct = self.direct
+        fd = self._open_tmp(tmp, dfd, direct)
+        if direct and not self.direct:  # the file system refused O_DIRECT just now
+            direct = False
         try:
             try:
                 if self._chmod:
                     os.fchmod(fd, self.mode)
-                _write_all(fd, header, page)
+                if direct:
+                    try:
+                        self._write_direct(fd, header, page)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        self._direct_off(f"an O_DIRECT write was refused: {exc}")
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                        os.ftruncate(fd, 0)
+                        os.lseek(fd, 0, os.SEEK_SET)
+                        _write_all(fd, header, page)
+                else:
+                    _write_all(fd, header, page)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -237,6 +279,47 @@ class FileStorage(Storage):
             raise
         if self.fsync:
             os.fsync(dfd)
+
+    def _open_tmp(self, tmp: str, dfd: int, direct: bool) -> int:
+        """Create the temporary file ``tmp``; with ``direct``, opened ``O_DIRECT`` unless
+        the file system refuses it (then, once, ``direct`` goes off for this store)."""
+        if direct:
+            try:
+                return os.open(tmp, _TMP_FLAGS | _O_DIRECT, self.mode, dir_fd=dfd)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct_off(f"the file system refuses O_DIRECT: {exc}")
+        return os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd)
+
+    def _direct_off(self, why: str) -> None:
+        if self.direct:
+            self.direct = False
+            logger.warning("storage.direct_off", storage="file", root=str(self.root), reason=why)
+
+    def _write_direct(self, fd: int, header: bytes, page: bytes | memoryview) -> None:
+        """The record into this thread's aligned buffer, padded to ``DIRECT_ALIGN``, one
+        ``O_DIRECT`` write, then the file cut back to the record's length: the file holds
+        exactly the bytes :func:`_write_all` writes. The buffer is kept for the thread's
+        next record (a new one each time would take new memory each time)."""
+        body = memoryview(page).cast("B")
+        n = len(header) + body.nbytes
+        padded = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None or len(buf) < padded:
+            if buf is not None:
+                buf.close()
+            buf = self._bounce.buf = mmap.mmap(-1, padded)  # page-aligned, so DIRECT_ALIGN-aligned
+        view = memoryview(buf)
+        try:
+            view[: len(header)] = header
+            view[len(header) : n] = body
+            view[n:padded] = bytes(padded - n)
+            _write_all(fd, view[:padded])
+        finally:
+            view.release()
+        os.ftruncate(fd, n)
+        self.direct_writes += 1
 
     # --- reads ---------------------------------------------------------------------------
 
@@ -394,7 +477,13 @@ class FileStorage(Storage):
             return False
 
     def describe(self) -> dict[str, Any]:
-        return {"storage": self.name, "root": str(self.root), "fsync": self.fsync, "mode": oct(self.mode)}
+        return {
+            "storage": self.name,
+            "root": str(self.root),
+            "fsync": self.fsync,
+            "mode": oct(self.mode),
+            "direct": self.direct,
+        }
 
     def __repr__(self) -> str:
         return f"<FileStorage {str(self.root)!r}>"

@@ -72,7 +72,7 @@ def device_bytes(mgr: kvo.OffloadManager, pages: Sequence[int]) -> list[bytes]:
 
 #: rank_keys: one tensor-parallel rank's view of a file store (its keys suffixed).
 #: mooncake: a Mooncake Store client (KVOFFLOAD_REQUIRE_MOONCAKE=1 in CI: it must not skip).
-STORE_KINDS = ["memory", "file", "redis", "rank_keys", "mooncake"]
+STORE_KINDS = ["memory", "file", "file_direct", "redis", "rank_keys", "mooncake"]
 
 
 def mooncake_store(url: str, **options: object) -> Storage:
@@ -102,6 +102,10 @@ def make_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Sto
         from kvoffload.storage.file import FileStorage
 
         return FileStorage(tmp_path / "pages")
+    if kind == "file_direct":  # O_DIRECT writes (through the page cache where refused)
+        from kvoffload.storage.file import FileStorage
+
+        return FileStorage(tmp_path / "pages", direct=True)
     if kind == "mooncake":
         return mooncake_store(request.getfixturevalue("mooncake_url"))
     from kvoffload.storage.redis import RedisStorage

@@ -30,6 +30,7 @@ def test_one_quick_round_prints_every_ratio(tmp_path: Path) -> None:
     out = proc.stdout
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "left out" not in out, out
+    assert "kvoffload store: file://" in out and "?direct=1" in out, out  # the store writes direct
     table = {}
     for line in out.splitlines():
         cells = line.split()
