@@ -77,12 +77,18 @@ FILE_URL_OPTIONS = ("direct", "fsync")
 
 
 def _file_options(query: str, url: str) -> dict[str, bool]:
-    """``file:///dir?direct=1&fsync=0``'s settings; raises :class:`~kvoffload.ConfigError`
-    naming an unknown key or a value that is not a boolean."""
+    """``file:///dir?direct=1&fsync=0``'s settings (a ``?`` in a ``file://`` URL starts
+    them: give a directory whose name holds one as a path); raises
+    :class:`~kvoffload.ConfigError` naming an unknown key, a value that is not a boolean,
+    or a field that is not ``key=value``."""
     from urllib.parse import parse_qsl
 
     out: dict[str, bool] = {}
-    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        fields = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as exc:  # a field without "=" (file:///dir?direct)
+        raise ConfigError(f"file storage URL {url!r}: its settings must be key=value pairs ({exc})") from None
+    for key, value in fields:
         if key not in FILE_URL_OPTIONS:
             raise ConfigError(
                 f"file storage URL {url!r}: unknown setting {key!r}; known: {list(FILE_URL_OPTIONS)}"

@@ -177,5 +177,7 @@ async def test_file_urls_take_direct_and_fsync(tmp_path: Path) -> None:
         resolve_storage(f"file://{tmp_path}/c?drect=1")
     with pytest.raises(ConfigError, match="direct='yes' is not 1, 0, true or false"):
         resolve_storage(f"file://{tmp_path}/c?direct=yes")
+    with pytest.raises(ConfigError, match="must be key=value pairs"):
+        resolve_storage(f"file://{tmp_path}/c?direct")
     with pytest.raises(ConfigError, match="direct must be a bool"):
         FileStorage(tmp_path / "d", direct=1)  # type: ignore[arg-type]
