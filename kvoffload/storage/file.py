@@ -33,6 +33,7 @@ import socket
 import stat
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from kvoffload.abc import Storage
-from kvoffload.core.events import logger
 from kvoffload.errors import ConfigError, PartialWriteError, StorageError
 from kvoffload.pools import page_views
 from kvoffload.storage._record import decode, encode_header, header_size, intact_parts, payload_offset
@@ -95,8 +95,9 @@ class FileStorage(Storage):
     record's length. A write then takes no new page-cache memory (what a store that
     only grows otherwise takes, page by page, from the engine's machine), and a read
     comes from the device instead of memory. Where the file system refuses
-    ``O_DIRECT`` (tmpfs) the store logs ``storage.direct_off`` once and writes through
-    the page cache. ``direct_writes`` counts the records written direct.
+    ``O_DIRECT`` (tmpfs) the store warns once (``RuntimeWarning``; the reason stays in
+    ``direct_off``) and writes through the page cache. ``direct_writes`` counts the
+    records written direct.
 
     Opening the store removes temporary files of dead writers: this host's writers
     whose process is gone, and anyone's older than ``stale_tmp_s`` seconds.
@@ -128,6 +129,7 @@ class FileStorage(Storage):
         # logged once) where the file system refuses it. direct_writes: records so written.
         self.direct = direct and bool(_O_DIRECT)
         self.direct_writes = 0
+        self.direct_off: str | None = None  # why direct writes went off, if they did
         self._bounce = threading.local()  # each writing thread's aligned buffer (reused)
         # _chmod: the umask may take bits of mode away: set them after creating.
         self._chmod = bool(mode & 0o077)
@@ -293,9 +295,16 @@ class FileStorage(Storage):
         return os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd)
 
     def _direct_off(self, why: str) -> None:
+        """Direct writes off for good: said once, as a ``RuntimeWarning`` (a store logs
+        nothing itself), and kept in ``direct_off``."""
         if self.direct:
             self.direct = False
-            logger.warning("storage.direct_off", storage="file", root=str(self.root), reason=why)
+            self.direct_off = why
+            warnings.warn(
+                f"file storage at {self.root}: direct writes are off, writing through the page cache: {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _write_direct(self, fd: int, header: bytes, page: bytes | memoryview) -> None:
         """The record into this thread's aligned buffer, padded to ``DIRECT_ALIGN``, one
