@@ -126,7 +126,8 @@ class FileStorage(Storage):
         self.dir_mode = _dir_mode(mode)
         self.stale_tmp_s = stale_tmp_s
         # direct: whether records are written with O_DIRECT; it turns False (for good,
-        # logged once) where the file system refuses it. direct_writes: records so written.
+        # warned once, the reason in direct_off) where the file system refuses it.
+        # direct_writes: records so written.
         self.direct = direct and bool(_O_DIRECT)
         self.direct_writes = 0
         self.direct_off: str | None = None  # why direct writes went off, if they did
@@ -249,27 +250,12 @@ class FileStorage(Storage):
 
     def _write_one(self, dfd: int, name: str, header: bytes, page: bytes | memoryview) -> None:
         tmp = f".{name}.{_HOST}.{os.getpid()}.{next(_tmp_ids)}.tmp"
-        direct = self.direct
-        fd = self._open_tmp(tmp, dfd, direct)
-        if direct and not self.direct:  # the file system refused O_DIRECT just now
-            direct = False
+        fd, direct = self._open_tmp(tmp, dfd)
         try:
             try:
                 if self._chmod:
                     os.fchmod(fd, self.mode)
-                if direct:
-                    try:
-                        self._write_direct(fd, header, page)
-                    except OSError as exc:
-                        if exc.errno != errno.EINVAL:
-                            raise
-                        self._direct_off(f"an O_DIRECT write was refused: {exc}")
-                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-                        os.ftruncate(fd, 0)
-                        os.lseek(fd, 0, os.SEEK_SET)
-                        _write_all(fd, header, page)
-                else:
-                    _write_all(fd, header, page)
+                (self._write_direct if direct else _write_all)(fd, header, page)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -282,17 +268,18 @@ class FileStorage(Storage):
         if self.fsync:
             os.fsync(dfd)
 
-    def _open_tmp(self, tmp: str, dfd: int, direct: bool) -> int:
-        """Create the temporary file ``tmp``; with ``direct``, opened ``O_DIRECT`` unless
-        the file system refuses it (then, once, ``direct`` goes off for this store)."""
-        if direct:
+    def _open_tmp(self, tmp: str, dfd: int) -> tuple[int, bool]:
+        """Create the temporary file ``tmp``: (its descriptor, whether it is opened
+        ``O_DIRECT``). Direct while the store writes direct, unless the file system
+        refuses it (then direct goes off for this store)."""
+        if self.direct:
             try:
-                return os.open(tmp, _TMP_FLAGS | _O_DIRECT, self.mode, dir_fd=dfd)
+                return os.open(tmp, _TMP_FLAGS | _O_DIRECT, self.mode, dir_fd=dfd), True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
                 self._direct_off(f"the file system refuses O_DIRECT: {exc}")
-        return os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd)
+        return os.open(tmp, _TMP_FLAGS, self.mode, dir_fd=dfd), False
 
     def _direct_off(self, why: str) -> None:
         """Direct writes off for good: said once, as a ``RuntimeWarning`` (a store logs
@@ -325,6 +312,17 @@ class FileStorage(Storage):
             view[len(header) : n] = body
             view[n:padded] = bytes(padded - n)
             _write_all(fd, view[:padded])
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # The device refused the aligned write (a larger logical block): this record
+            # through the page cache, on the same file from its start; direct goes off.
+            self._direct_off(f"an O_DIRECT write was refused: {exc}")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            _write_all(fd, header, page)
+            return
         finally:
             view.release()
         os.ftruncate(fd, n)

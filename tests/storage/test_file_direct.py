@@ -5,6 +5,7 @@ and the page cache again, said once, where the file system refuses ``O_DIRECT``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -149,11 +150,15 @@ async def test_a_refused_direct_write_is_written_through_the_page_cache(
     goes off for the store, said once."""
     store, keys = FileStorage(direct_root, direct=True), keys_of(2)
 
-    def refuse(fd: int, header: bytes, page: object) -> None:
-        os.write(fd, b"partial")  # a device may have taken some bytes before refusing
-        raise OSError(errno.EINVAL, "Invalid argument")
+    real_writev = os.writev
 
-    monkeypatch.setattr(store, "_write_direct", refuse)
+    def refuse(fd: int, buffers: list[memoryview]) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:  # the aligned write of an O_DIRECT file
+            real_writev(fd, [memoryview(bytearray(DIRECT_ALIGN))])  # a device may take some first
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(file_mod.os, "writev", refuse)
     pages = [b"x" * 10_000, b"y" * 3]
     with pytest.warns(RuntimeWarning) as said:
         await store.put(keys, pages)
