@@ -154,6 +154,7 @@ class Chunks:
             want = pending - pending % stride
             plans.append((lc, want, *plan(lc, want)))
         chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
+        keys = cast("list[list[bytes]]", chains)  # (read only where host pages were had: never None there)
         send = self.send
         chunks = pages = 0
         sent: list[Lifecycle] = []
@@ -161,7 +162,7 @@ class Chunks:
             for j, (lc, want, n, host) in enumerate(plans):
                 if host is not None:
                     try:
-                        send(lc, n, host, cast("list[bytes]", chains[j]), ready, now, False)
+                        send(lc, n, host, keys[j], ready, now, False)
                         sent.append(lc)
                     except BaseException:
                         for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was

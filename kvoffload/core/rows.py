@@ -197,13 +197,14 @@ class DecodeRows:
             return False
         self._write(col, len(lcs))
         ps = self.page_size
+        held = cast("list[Lifecycle]", row_lc)  # (paged and listed rows are attached: a lifecycle each)
         for r, page in zip(paged, new_pages, strict=True):  # nothing here can fail
-            lc = cast("Lifecycle", row_lc[r])
+            lc = held[r]
             lc.device_pages.append(page)
             lc._cap += ps
         if not listed:
             return True
-        visited = [cast("Lifecycle", row_lc[r]) for r in listed]
+        visited = [held[r] for r in listed]
         log, w = self.log, self.width
         due = []
         for lc in visited:  # sync (inline): the row's tokens to its tail
@@ -228,7 +229,8 @@ class DecodeRows:
             r = lc._row
             if r < 0:
                 continue
-            other = self._next_visit(lc, s1)
+            # (_next_visit(lc, s1), inline: a call per row is a tenth of this loop)
+            other = s1 + (1 if lc._deferred_since is not None else min(max(lc.due - lc._committed, 1), w))
             other_at[r] = other
             if other in visits:
                 visits[other].append(r)
