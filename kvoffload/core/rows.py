@@ -241,7 +241,8 @@ class DecodeRows:
     def _next_visit(self, lc: Lifecycle, s: int) -> int:
         """The step after ``s`` (``lc`` synced at it) at which ``lc``'s row must be
         visited: its chunk due, its log full, or - while its chunk waits for host pages
-        (deferred) - the next one, so that its tail is current whenever pages return."""
+        (deferred) - the next one, so that its tail is current whenever pages return.
+        :meth:`_visit`'s last loop computes the same inline: change both together."""
         if lc._deferred_since is not None:
             return s + 1
         return s + min(max(lc.due - lc._committed, 1), self.width)
