@@ -13,7 +13,7 @@ the chunk (retried a stride later) or defers it (``on_host_full="wait"``: the FI
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from kvoffload.abc import Completion, Transfer
 from kvoffload.core.deferral import HostWait
@@ -147,15 +147,14 @@ class Chunks:
         not, and every host page taken for them is back, the free list as it was."""
         if self.registry.closing:
             raise KVOffloadError(f"{run[0]!r}: the manager is closed, no copy can start; abort() releases it")
-        ps, stride, plan = self._ps, self._stride, self.plan
+        ps, stride, plan, send = self._ps, self._stride, self.plan, self.send
         plans: list[tuple[Lifecycle, int, int, list[int] | None]] = []
         for lc in run:  # host pages in order: each as its own submit would find the pool
             pending = lc._committed - lc.submitted
             want = pending - pending % stride
             plans.append((lc, want, *plan(lc, want)))
-        chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
-        keys = cast("list[list[bytes]]", chains)  # (read only where host pages were had: never None there)
-        send = self.send
+        keys: list[Any]  # keys[j]: chunk j's digests; None where no host pages were had, never read there
+        keys = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
         chunks = pages = 0
         sent: list[Lifecycle] = []
         try:
