@@ -153,15 +153,15 @@ class Chunks:
             pending = lc._committed - lc.submitted
             want = pending - pending % stride
             plans.append((lc, want, *plan(lc, want)))
-        keys: list[Any]  # keys[j]: chunk j's digests; None where no host pages were had, never read there
-        keys = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
+        chains: list[Any]  # chains[j]: chunk j's digests; None where no host pages were had, never read there
+        chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
         chunks = pages = 0
         sent: list[Lifecycle] = []
         try:
             for j, (lc, want, n, host) in enumerate(plans):
                 if host is not None:
                     try:
-                        send(lc, n, host, keys[j], ready, now, False)
+                        send(lc, n, host, chains[j], ready, now, False)
                         sent.append(lc)
                     except BaseException:
                         for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was

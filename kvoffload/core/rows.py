@@ -229,8 +229,7 @@ class DecodeRows:
             r = lc._row
             if r < 0:
                 continue
-            # (_next_visit(lc, s1), inline: a call per row is a tenth of this loop)
-            other = s1 + (1 if lc._deferred_since is not None else min(max(lc.due - lc._committed, 1), w))
+            other = self._next_visit(lc, s1)
             other_at[r] = other
             if other in visits:
                 visits[other].append(r)
@@ -241,8 +240,7 @@ class DecodeRows:
     def _next_visit(self, lc: Lifecycle, s: int) -> int:
         """The step after ``s`` (``lc`` synced at it) at which ``lc``'s row must be
         visited: its chunk due, its log full, or - while its chunk waits for host pages
-        (deferred) - the next one, so that its tail is current whenever pages return.
-        :meth:`_visit`'s last loop computes the same inline: change both together."""
+        (deferred) - the next one, so that its tail is current whenever pages return."""
         if lc._deferred_since is not None:
             return s + 1
         return s + min(max(lc.due - lc._committed, 1), self.width)
