@@ -426,7 +426,7 @@ class FileStorage(Storage):
                         parts = [_bytes_view(b) for b in dest[i]]
                         if found.length != sum(b.nbytes for b in parts):
                             return i
-                        # (a version 1 header is shorter than what was read: offset is exact)
+                        # (an older record's header is shorter than what was read: offset is exact)
                         if gate is None and not flags:
                             if os.preadv(fd, parts, found.offset) != found.length:
                                 return i

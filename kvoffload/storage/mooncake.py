@@ -686,7 +686,8 @@ class MooncakeStore(Storage):
                     found = payload_offset(key, view[off : off + h], int(c))
                     if found is None or found.length != o.nbytes:
                         break
-                    payload = view[off + h : off + h + o.nbytes]
+                    at = off + found.offset  # (an older record's header is shorter)
+                    payload = view[at : at + o.nbytes]
                     if self.verify and not intact(found, payload):
                         break
                     o[:] = payload

@@ -282,6 +282,22 @@ async def test_a_corrupt_or_foreign_record_reads_as_missing_and_a_rewrite_heals_
 
 
 @pytest.mark.asyncio
+async def test_records_of_versions_1_and_2_read_with_their_own_header_length(store: MooncakeStore) -> None:
+    """An older record (version 2: the payload right after the key; version 1: a header
+    4 bytes shorter still) is read from where its own header says the payload starts,
+    not from where a version 3 header would end: get and get_into both serve it."""
+    from kvoffload.storage._record import encode_v1, encode_v2
+
+    keys, pages = keys_of(3), pages_of(3)
+    await store.put(keys[:1], pages[:1])  # version 3
+    for k, p, enc in zip(keys[1:], pages[1:], [encode_v2, encode_v1], strict=True):
+        assert store._client.upsert_parts(store.prefix + k, enc(k, p)) == 0
+    assert await store.get(keys) == pages
+    bufs = [memoryview(bytearray(len(p))) for p in pages]
+    assert await store.get_into(keys, bufs) == 3 and [bytes(b) for b in bufs] == pages
+
+
+@pytest.mark.asyncio
 async def test_a_read_that_is_abandoned_copies_nothing_into_the_host_pages(store: MooncakeStore) -> None:
     """A read whose client call outlives its bound is abandoned with a StorageError, and
     when the call does return, nothing is copied into the buffers (the pool may have
