@@ -148,7 +148,16 @@ async def test_a_full_segment_refuses_puts_as_counted_drops(tmp_path: Path) -> N
                     await mgr.settle()
             s = mgr.statistics()
             assert s.live_lifecycles == 0 and s.host_pages_used == 0 and s.pages_in_write == 0
-            assert s.pages_stored + s.pages_store_failed + s.pages_store_skipped == s.pages_copied == 32
+            # Mooncake may refuse a chunk's first page and take a later one: that page
+            # is in the store but unreachable (F34), so it is in the ledger's sum too.
+            accounted = (
+                s.pages_stored
+                + s.pages_store_failed
+                + s.pages_store_unreachable
+                + s.pages_store_skipped
+                + s.pages_not_stored
+            )
+            assert accounted == s.pages_copied == 32
             assert s.pages_store_failed > 0 and s.pages_stored > 0
             mgr.check_invariants()
         assert errors and all("NO_AVAILABLE_HANDLE" in str(e) for e in errors)
