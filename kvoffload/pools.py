@@ -110,6 +110,32 @@ class PagePool:
             return self.allocate(n)  # [] for none, PageError below that
         return self._take(n) if n <= len(self._free) else None
 
+    def take_each(self, counts: list[int]) -> list[list[int] | None]:
+        """Pages for each of ``counts`` in order, exactly as ``try_allocate(n)`` for each
+        ``n`` one after another would hand them out: a list of ``n`` pages where they
+        were free then, ``None`` where fewer were, ``[]`` for ``n == 0``. One pass for a
+        batched step's chunks. A negative count raises :class:`PageError` (nothing
+        taken)."""
+        free = self._free
+        left = len(free)  # free[:left] is what is still free after the counts so far
+        out: list[list[int] | None] = []
+        for n in counts:
+            if n > left:
+                out.append(None)
+            elif n > 0:
+                out.append(free[left - n : left])
+                left -= n
+            elif n == 0:
+                out.append([])
+            else:
+                raise PageError(f"cannot allocate {n} {self.kind} pages")
+        if left < len(free):
+            alloc = self._allocated
+            for p in free[left:]:
+                alloc[p] = 1
+            del free[left:]
+        return out
+
     def take_one(self) -> int:
         """One page, or -1 when none is free (the hot path's allocation: no list)."""
         free = self._free

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvoffload as kvo
 from kvoffload.pools import DevicePool, HostPool
@@ -46,3 +48,30 @@ def test_take_one_hands_out_what_allocate_would_and_minus_one_when_empty() -> No
     with pytest.raises(kvo.PageError):
         a.free([1])
     a.check()
+
+
+@given(
+    held=st.lists(st.integers(0, 11), max_size=12, unique=True),
+    counts=st.lists(st.integers(0, 6), max_size=8),
+)
+def test_take_each_hands_out_what_try_allocate_one_after_another_would(
+    held: list[int], counts: list[int]
+) -> None:
+    """The batched step's allocation for a run of chunks: the same pages, in the same
+    order, as successive ``try_allocate`` calls, ``None`` where the pool had too few at
+    that point (a later, smaller count can still fit), and the free list left alike."""
+    one, each = HostPool(torch.zeros(12, 1)), HostPool(torch.zeros(12, 1))
+    for pool in (one, each):
+        pool.take_pages(held)
+    want = [one.try_allocate(n) for n in counts]
+    assert each.take_each(counts) == want
+    assert each._free == one._free and each._allocated == one._allocated
+    each.check()
+
+
+def test_take_each_refuses_a_negative_count_and_takes_nothing() -> None:
+    pool = HostPool(torch.zeros(4, 1))
+    with pytest.raises(kvo.PageError, match="cannot allocate -1"):
+        pool.take_each([2, -1])
+    assert pool.used == 0
+    pool.check()

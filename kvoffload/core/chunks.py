@@ -3,8 +3,8 @@ delivery of completions.
 
 A chunk is the next whole pages of a lifecycle, copied to host pages as one
 :class:`~kvoffload.abc.Transfer`. :meth:`Chunks.submit` sends one; the batched decode
-step stages many (:meth:`Chunks.submit_run`): both plan each chunk alike
-(:meth:`Chunks.plan`: its tokens, its host pages) and send it alike (:meth:`Chunks.send`:
+step stages many (:meth:`Chunks.submit_run`): both take a chunk's tokens (one
+host-sized chunk at most) and host pages alike and send it alike (:meth:`Chunks.send`:
 the mover's ``accept``, the bookkeeping, the table step; F10). A full host pool drops
 the chunk (retried a stride later) or defers it (``on_host_full="wait"``: the FIFO of
 :mod:`kvoffload.core.deferral`). A failed copy is a hole: offload stops there (F33).
@@ -100,16 +100,6 @@ class Chunks:
 
     # --- submission ----------------------------------------------------------------------
 
-    def plan(self, lc: Lifecycle, n: int) -> tuple[int, list[int] | None]:
-        """The next chunk of ``lc`` for ``n`` due tokens (page-aligned): the tokens one
-        host-sized chunk takes (0: nothing to send), and their host pages, taken now
-        (None: the host pool is full)."""
-        if n > self._most:
-            n = self._most
-        if n <= 0:
-            return n, None
-        return n, self.host_pool.try_allocate(n // self._ps)
-
     def submit(self, lc: Lifecycle, n: int, ready: Any = None, now: float | None = None) -> bool:
         """Submit the next ``n`` tokens (page-aligned) of ``lc`` as one chunk.
 
@@ -122,9 +112,10 @@ class Chunks:
         if lc._stop >= 0:  # offload stopped at a hole (F33): nothing after it is sent
             return False
         wanted = n // self._ps  # a drop counts every page not sent, beyond one chunk too
-        n, host = self.plan(lc, n)
+        n = min(n, self._most)  # one host-sized chunk at most
         if n <= 0:
             return False
+        host = self.host_pool.try_allocate(n // self._ps)
         if host is None:
             self.host_full(lc, wanted)
             return False
@@ -139,39 +130,46 @@ class Chunks:
     def submit_run(self, run: list[Lifecycle], ready: Any, now: float, progress: list[int]) -> None:
         """The due chunks of one batched decode step: exactly :meth:`submit` of the due
         stride-aligned tokens for each lifecycle of ``run`` in order (each synced, not
-        deferred, due), in stages - every chunk planned (host pages for all), then their
-        keys, then each sent - so each stage runs as one tight loop.
+        deferred, due), in stages - every chunk planned (host pages for all, in one
+        ``take_each``: as each :meth:`plan` would take them), then their keys, then each
+        sent - so each stage runs as one tight loop.
 
         ``progress[0]`` counts the lifecycles done. A mover that refuses one raises
         there: the ones before it are submitted (or dropped), it and the ones after are
         not, and every host page taken for them is back, the free list as it was."""
         if self.registry.closing:
             raise KVOffloadError(f"{run[0]!r}: the manager is closed, no copy can start; abort() releases it")
-        ps, stride, plan, send = self._ps, self._stride, self.plan, self.send
-        plans: list[tuple[Lifecycle, int, int, list[int] | None]] = []
-        for lc in run:  # host pages in order: each as its own submit would find the pool
-            pending = lc._committed - lc.submitted
-            want = pending - pending % stride
-            plans.append((lc, want, *plan(lc, want)))
-        chains: list[Any]  # chains[j]: chunk j's digests; None where no host pages were had, never read there
-        chains = [page_run_digests(lc._chain, lc._tail[:n], ps) if host else None for lc, _, n, host in plans]
+        ps, stride, most, send = self._ps, self._stride, self._most, self.send
+        # run[j]'s due stride-aligned tokens wants[j], of which its chunk takes ns[j] (one
+        # host-sized chunk at most), into host pages hosts[j] ([] for no tokens, None
+        # where the pool had too few), under digests chains[j] (None where no pages)
+        wants = [lc._committed - lc.submitted for lc in run]
+        wants = [w - w % stride for w in wants]
+        ns = [w if w < most else most for w in wants]
+        hosts = self.host_pool.take_each([n // ps if n > 0 else 0 for n in ns])
+        chains: list[Any]
+        chains = [
+            page_run_digests(lc._chain, lc._tail[:n], ps) if host else None
+            for lc, n, host in zip(run, ns, hosts, strict=True)
+        ]
         chunks = pages = 0
         sent: list[Lifecycle] = []
         try:
-            for j, (lc, want, n, host) in enumerate(plans):
-                if host is not None:
+            for j, lc in enumerate(run):
+                host = hosts[j]
+                if host:
                     try:
-                        send(lc, n, host, chains[j], ready, now, False)
+                        send(lc, ns[j], host, chains[j], ready, now, False)
                         sent.append(lc)
                     except BaseException:
-                        for _, _, _, h in reversed(plans[j:]):  # last taken first: the free list as it was
-                            if h is not None:
+                        for h in reversed(hosts[j:]):  # last taken first: the free list as it was
+                            if h:
                                 self.host_pool.free(h)
                         raise
                     chunks += 1
                     pages += len(host)
-                elif n > 0:  # (n <= 0: less than a stride since a dropped prompt chunk: as submit, nothing)
-                    self.host_full(lc, want // ps)
+                elif ns[j] > 0:  # (n <= 0: under a stride since a dropped prompt chunk: as submit, nothing)
+                    self.host_full(lc, wants[j] // ps)
                 progress[0] += 1
         finally:
             self._count(chunks, pages)
