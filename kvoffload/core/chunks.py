@@ -131,8 +131,8 @@ class Chunks:
         """The due chunks of one batched decode step: exactly :meth:`submit` of the due
         stride-aligned tokens for each lifecycle of ``run`` in order (each synced, not
         deferred, due), in stages - every chunk planned (host pages for all, in one
-        ``take_each``: as each :meth:`plan` would take them), then their keys, then each
-        sent - so each stage runs as one tight loop.
+        ``take_each``: as each :meth:`submit` would take them), then their keys, then
+        each sent - so each stage runs as one tight loop.
 
         ``progress[0]`` counts the lifecycles done. A mover that refuses one raises
         there: the ones before it are submitted (or dropped), it and the ones after are
@@ -143,12 +143,10 @@ class Chunks:
         # run[j]'s due stride-aligned tokens wants[j], of which its chunk takes ns[j] (one
         # host-sized chunk at most), into host pages hosts[j] ([] for no tokens, None
         # where the pool had too few), under digests chains[j] (None where no pages)
-        wants = [lc._committed - lc.submitted for lc in run]
-        wants = [w - w % stride for w in wants]
+        wants = [(lc._committed - lc.submitted) // stride * stride for lc in run]
         ns = [w if w < most else most for w in wants]
-        hosts = self.host_pool.take_each([n // ps if n > 0 else 0 for n in ns])
-        chains: list[Any]
-        chains = [
+        hosts = self.host_pool.take_each([n // ps for n in ns])
+        chains: list[Any] = [
             page_run_digests(lc._chain, lc._tail[:n], ps) if host else None
             for lc, n, host in zip(run, ns, hosts, strict=True)
         ]
@@ -168,7 +166,7 @@ class Chunks:
                         raise
                     chunks += 1
                     pages += len(host)
-                elif ns[j] > 0:  # (n <= 0: under a stride since a dropped prompt chunk: as submit, nothing)
+                elif ns[j]:  # (0: under a stride since a dropped prompt chunk: as submit, nothing)
                     self.host_full(lc, wants[j] // ps)
                 progress[0] += 1
         finally:
