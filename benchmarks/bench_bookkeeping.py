@@ -28,6 +28,10 @@ Baselines:
             chain; no state machine, no checks, no events. It leaves out most of what
             SGLang's offload manager does per iteration; it is not SGLang.
   async   - a ``transitions`` AsyncMachine per request driving the same states.
+Floor: ``keys alone``, the SHA-256 of the same chunks' keys (one chunk of STRIDE tokens
+per request a stride, chained, by the library's ``page_run_digests``) and nothing else,
+timed in the same rounds: issue 25 names it as what the batched step should come near.
+It prints beside the batched rows how many times that floor they take.
 
 Memory: library overhead per live lifecycle at 100,000 (tracemalloc): admitted (a
 one-page prompt), and decoding (half a stride of tokens committed since).
@@ -48,6 +52,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +62,7 @@ from _machine import describe, target_line
 import kvoffload as kvo
 from kvoffload.abc import Transfer
 from kvoffload.core.offload import ROWS_MIN
+from kvoffload.keys import TOKEN_TYPECODE, page_run_digests
 from kvoffload.testing import SimBackend
 
 N = 512
@@ -269,6 +275,24 @@ class Dict:
         return (time.perf_counter() - t0) / (N * STRIDE)
 
 
+class KeysAlone:
+    """The floor issue 25 names for the batched step: the keys' SHA-256 of the same
+    chunks (512 requests, each one chunk of ``STRIDE`` tokens a stride, chained from its
+    last page), through the library's own ``page_run_digests`` and nothing else."""
+
+    def __init__(self) -> None:
+        self.chains = [page_run_digests(b"", array(TOKEN_TYPECODE, range(PAGE)), PAGE)[-1] for _ in range(N)]
+        self.chunk = array(TOKEN_TYPECODE, [7] * STRIDE)
+
+    def round(self) -> float:
+        """Seconds per request-step of one stride's keys."""
+        chains, chunk, digests = self.chains, self.chunk, page_run_digests
+        t0 = time.perf_counter()
+        for i, prev in enumerate(chains):
+            chains[i] = digests(prev, chunk, PAGE)[-1]
+        return (time.perf_counter() - t0) / (N * STRIDE)
+
+
 def interleaved() -> dict[str, list[float]]:
     """Per-round seconds per request-step of every row, the rows alternating within
     every round (the order rotates)."""
@@ -277,6 +301,7 @@ def interleaved() -> dict[str, list[float]]:
     base = Dict()
     rows["dict"] = base.round
     rows["dict staggered"] = Dict(stagger=True).round
+    rows["keys alone"] = KeysAlone().round
     for name, n, prompt, batched, stagger, spare in [
         ("per-request", N, 16, False, False, 0),
         ("batched", N, 16, True, False, 0),
@@ -484,6 +509,12 @@ def main() -> int:
     r_batch_s = ratio("batched staggered", "dict staggered")
     print(f"{'per-request, staggered':<30}{med['per-request staggered'] * 1e6:>9.3f}{r_req_s:>9.2f}x")
     print(f"{'batched, staggered':<30}{med['batched staggered'] * 1e6:>9.3f}{r_batch_s:>9.2f}x")
+    r_keys, r_keys_s = ratio("batched", "keys alone"), ratio("batched staggered", "keys alone")
+    print(
+        f"{'keys alone (SHA-256)':<30}{med['keys alone'] * 1e6:>9.3f}"
+        f"   the floor: the same chunks' keys and nothing else; batched {r_keys:.2f}x it, "
+        f"staggered {r_keys_s:.2f}x"
+    )
     print("churn: the batch changes every step (2 of 514 left out, a different 2 each step); no target")
     r_req_c, r_batch_c = ratio("per-request churn", "dict"), ratio("batched churn", "dict")
     print(f"{'per-request, churn':<30}{med['per-request churn'] * 1e6:>9.3f}{r_req_c:>9.2f}x")

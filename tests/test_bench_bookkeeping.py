@@ -63,3 +63,18 @@ def test_main_smoke_prints_every_target(
         assert line is not None, f"no target line {target!r} in:\n{out}"
         assert ("ok" in line or "MISSED" in line) and "rounds " in line, line
     assert "Traceback" not in out
+
+
+def test_keys_alone_hashes_the_batched_rows_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor row hashes exactly the chunks the batched row does: after one stride
+    each of its chains is where the batched row's lifecycles' chains are."""
+    bench = _bench(monkeypatch)
+    keys, kvo = bench.KeysAlone(), bench.Kvo(bench.N, 16, batched=True)
+    try:
+        assert [lc._chain for lc in kvo.lcs] == keys.chains  # past the prompt (stored: not copied)
+        keys.round()
+        kvo.round()
+        assert [lc._chain for lc in kvo.lcs] == keys.chains
+        assert kvo.mgr.statistics().pages_submitted == bench.N * bench.STRIDE // bench.PAGE
+    finally:
+        kvo.close()
