@@ -277,11 +277,13 @@ class Dict:
 
 class KeysAlone:
     """The floor issue 25 names for the batched step: the keys' SHA-256 of the same
-    chunks (512 requests, each one chunk of ``STRIDE`` tokens a stride, chained from its
-    last page), through the library's own ``page_run_digests`` and nothing else."""
+    chunks (``N`` requests, each one chunk of ``STRIDE`` tokens a stride, chained from
+    its last page), through the library's own ``page_run_digests`` and nothing else."""
 
     def __init__(self) -> None:
-        self.chains = [page_run_digests(b"", array(TOKEN_TYPECODE, range(PAGE)), PAGE)[-1] for _ in range(N)]
+        # every chain starts past the batched row's one-page prompt (Kvo's range(16))
+        prompt = page_run_digests(b"", array(TOKEN_TYPECODE, range(PAGE)), PAGE)[-1]
+        self.chains = [prompt] * N
         self.chunk = array(TOKEN_TYPECODE, [7] * STRIDE)
 
     def round(self) -> float:
