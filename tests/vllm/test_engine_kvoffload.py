@@ -24,7 +24,6 @@ Every output is compared with the engine that ran the same prompts without a con
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -221,13 +220,6 @@ def test_another_namespace_loads_nothing(other_namespace: dict[str, Any], baseli
     ve.assert_same_outputs(other_namespace, baseline, MAIN, what="other namespace")
 
 
-def _recovered_tokens(log: str) -> int:
-    """The tokens vLLM's scheduler says it recomputes because a load failed (its
-    "Recovered from KV load failure: N request(s) rescheduled (M tokens affected)")."""
-    found = re.findall(r"Recovered from KV load failure: \d+ request\(s\) rescheduled \((\d+) tokens", log)
-    return sum(int(m) for m in found)
-
-
 def test_a_corrupted_store_is_recomputed_never_served(
     corrupted: dict[str, Any], loaded: dict[str, Any], baseline: dict[str, Any]
 ) -> None:
@@ -240,7 +232,7 @@ def test_a_corrupted_store_is_recomputed_never_served(
     _check_engine(corrupted, "corrupt")
     names = [*MAIN, *ve.BATCH]
     ve.assert_same_outputs(corrupted, baseline, names, what="corrupt")
-    assert _recovered_tokens(corrupted["log"]) > 0, "no load failed on a corrupted store"
+    assert ve.recovered_tokens(corrupted["log"]) > 0, "no load failed on a corrupted store"
     for n in names:
         assert _cached(corrupted, n) <= _cached(loaded, n), n
     if "thread" in corrupted["mode"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,13 @@ def engine_errors(log: str) -> list[str]:
         for line in log.splitlines()
         if any(b in line for b in bad) or line.startswith(("Traceback", "Exception", "RuntimeError"))
     ]
+
+
+def recovered_tokens(log: str) -> int:
+    """The tokens vLLM's scheduler says it recomputes because a load failed (its
+    "Recovered from KV load failure: N request(s) rescheduled (M tokens affected)")."""
+    found = re.findall(r"Recovered from KV load failure: \d+ request\(s\) rescheduled \((\d+) tokens", log)
+    return sum(int(m) for m in found)
 
 
 # The scenarios: every prompt is token ids from a seed, the same in every process.
