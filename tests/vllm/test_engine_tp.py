@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,26 +96,31 @@ def tp_loaded(tp_stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[s
     return _run(tiny_model, work, "load", "store")
 
 
+def _flip_tail(p: Path) -> None:
+    """Flip the last 8 bytes of ``p`` (inside the page: a record ends with its page)."""
+    data = bytearray(p.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+    p.write_bytes(bytes(data))
+
+
+def _rank_1_altered(model: Path, work: Path, name: str, alter: Callable[[Path], None]) -> dict[str, Any]:
+    """A fresh engine on a copy of the store whose rank-1 shards ``alter`` changed."""
+    shutil.copytree(work / "store", work / name)
+    shards = _rank_files(work / name, 1)
+    assert shards, "the store engine left no shard of rank 1"
+    for p in shards:
+        alter(p)
+    return _run(model, work, name, name)
+
+
 @pytest.fixture(scope="module")
 def tp_rank_corrupt(tp_stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
-    shutil.copytree(work / "store", work / "corrupt")
-    flipped = _rank_files(work / "corrupt", 1)
-    assert flipped, "the store engine left no shard of rank 1"
-    for p in flipped:  # the last 8 bytes: inside the page (a record ends with its page)
-        data = bytearray(p.read_bytes())
-        data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
-        p.write_bytes(bytes(data))
-    return _run(tiny_model, work, "corrupt", "corrupt")
+    return _rank_1_altered(tiny_model, work, "corrupt", _flip_tail)
 
 
 @pytest.fixture(scope="module")
 def tp_rank_missing(tp_stored: dict[str, Any], tiny_model: Path, work: Path) -> dict[str, Any]:
-    shutil.copytree(work / "store", work / "missing")
-    removed = _rank_files(work / "missing", 1)
-    assert removed, "the store engine left no shard of rank 1"
-    for p in removed:
-        p.unlink()
-    return _run(tiny_model, work, "missing", "missing")
+    return _rank_1_altered(tiny_model, work, "missing", Path.unlink)
 
 
 def _cached(run: dict[str, Any], name: str) -> int:
