@@ -29,7 +29,8 @@ host-function callbacks or ``to_thread(event.synchronize)`` per event.
 Importing this module does not import torch; the stream and event logic
 (:class:`EventStream`, :func:`poll_completions`) only needs objects with ``query()`` and
 ``synchronize()``, so it is tested on the CPU with fake events. The backend itself has
-not yet run on a GPU (docs/backends.md): treat it as untested on real hardware.
+run on a GPU once, and its contract suite is not yet seen passing there (docs/backends.md):
+treat it as untested on real hardware.
 """
 
 from __future__ import annotations
@@ -403,9 +404,13 @@ class CudaBackend(ThreadedBackend[InFlight]):
         return super().wait_ready(timeout)
 
     async def wait_completions(self) -> list[Completion]:
+        """For callers without a driver (tests, benchmarks, tools). Waiter mode waits as
+        every threaded backend does, with a waker of its own set for the wait: the inbox
+        alone is woken only through a waker, which no driver set here (the first GPU
+        run hung on that)."""
         if self.completion == "poll":
             return await poll_completions(self._streams(), self.inbox)
-        return await self.inbox.wait()
+        return await super().wait_completions()
 
     def _streams(self) -> list[EventStream]:
         return [w for w in self._workers if isinstance(w, EventStream)]

@@ -356,10 +356,10 @@ async def test_the_waiter_thread_selects_its_gpu_before_it_waits(monkeypatch: py
     assert seen and all(d == device for d in seen), seen
 
 
-def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
-    """The backend hands its device to every waiter it makes (the wiring of the test
-    above; the backend's constructor needs a GPU, so it is skipped here and the pieces
-    ``_make_worker`` reads are set by hand: a stand-in for torch.cuda.Stream)."""
+def _gpu_less_cuda_backend(completion: str = "waiter") -> Any:
+    """A CudaBackend as its constructor builds one, without a GPU (the constructor needs
+    one): the pieces ``_make_worker`` reads are set by hand, with a stand-in for
+    ``torch.cuda.Stream`` and fake events."""
     from types import SimpleNamespace
 
     from kvoffload.backends._cuda import CudaBackend, _EventPool
@@ -368,12 +368,52 @@ def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
     backend = CudaBackend.__new__(CudaBackend)
     ThreadedBackend.__init__(backend, 1)
     backend.device = torch.device("cuda", 2)
-    backend.completion = "waiter"
-    backend._run_threads = True
+    backend.completion = completion
+    backend._run_threads = completion == "waiter"
     backend._events = _EventPool(lambda: FakeEvent("pool"))
     backend._torch = SimpleNamespace(cuda=SimpleNamespace(Stream=lambda device: ("side stream", device)))
-    worker = backend._make_worker(0)
+    return backend
+
+
+def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
+    """The backend hands its device to every waiter it makes (the wiring of the test
+    above; the backend is built without a GPU)."""
+    worker = _gpu_less_cuda_backend()._make_worker(0)
     assert worker.device == torch.device("cuda", 2) and worker.stream == (
         "side stream",
         torch.device("cuda", 2),
     )
+
+
+@pytest.mark.asyncio
+async def test_wait_completions_wakes_when_the_waiter_posts_with_no_driver_attached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found on the first GPU run: ``await backend.wait_completions()`` (the way tests,
+    benchmarks and tools drive a backend without a driver) waited for ever in waiter
+    mode, because it waited on the inbox, which is woken only through a driver's waker.
+    Here the waiter thread posts after the caller is already waiting; the call returns."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    backend = _gpu_less_cuda_backend()
+    worker = backend._make_worker(0)
+    backend._workers = [worker]
+    worker.start()
+    ev = FakeEvent("copy")
+    worker.put(InFlight(_T(7), ev))  # type: ignore[arg-type]
+    got: list[Any] = []
+
+    async def wait() -> None:
+        got.extend(await backend.wait_completions())
+
+    try:
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await anyio.wait_all_tasks_blocked()
+                await anyio.to_thread.run_sync(ev.waiting.wait)  # the waiter sleeps in synchronize()
+                ev.done.set()  # the copy ends: the waiter posts its completion
+    finally:
+        ev.done.set()
+        worker.close()
+        await anyio.to_thread.run_sync(worker.join)
+    assert got == [(7, None)]
