@@ -140,7 +140,10 @@ class DriverBase:
         self.config = config
         # _namespace_seed: the chain seed of every call that passes none (F22).
         self._namespace_seed = namespace_seed(extra_key=config.namespace)
-        self.backend: EventBackend = resolve_backend(backend)
+        # Engine-owned mode: "auto" (and "cuda") follow the device of the engine's KV.
+        kv = device_kv if config.device_pages is None else None
+        kv_first = kv[0] if isinstance(kv, (list, tuple)) and kv else kv
+        self.backend: EventBackend = resolve_backend(backend, getattr(kv_first, "device", None))
         self.storage: Storage | None = resolve_storage(storage)
         self.write_policy = write_policy if write_policy is not None else WritePolicy()
         self.clock = clock

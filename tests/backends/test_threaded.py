@@ -123,6 +123,37 @@ def test_backends_are_chosen_by_name() -> None:
         CpuBackend(streams=0)
 
 
+def test_auto_follows_the_engines_kv_device_in_engine_owned_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine-owned mode: "auto" follows the device of ``device_kv``. With a GPU present
+    (here: torch says so) CPU KV tensors get the cpu backend, not a cuda backend that
+    would refuse them; owned mode still picks cuda when a GPU is present."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kv = [torch.zeros(8, 4, 2, 3) for _ in range(2)]
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=None, host_pages=8)
+    with kvo.SyncOffloadManager(config, device_kv=kv) as mgr:
+        assert mgr.backend.name == "cpu"
+    assert resolve_backend("auto", torch.device("cpu")).name == "cpu"
+
+
+def test_cuda_copies_on_the_gpu_that_holds_the_engines_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the engine's KV on ``cuda:3``, "auto" and "cuda" build the cuda backend on
+    ``cuda:3``, not on the current GPU (a GPU-less stand-in records what it is built with)."""
+    import kvoffload.backends._cuda as cuda_module
+
+    built: list[object] = []
+
+    class Recorder(cuda_module.CudaBackend):
+        def __init__(self, device: object = None) -> None:
+            built.append(device)
+
+    monkeypatch.setattr(cuda_module, "CudaBackend", Recorder)
+    gpu3 = torch.device("cuda", 3)
+    assert isinstance(resolve_backend("auto", gpu3), Recorder)
+    assert isinstance(resolve_backend("cuda", gpu3), Recorder)
+    resolve_backend("cuda")
+    assert built == [gpu3, gpu3, None]
+
+
 @pytest.mark.asyncio
 async def test_the_manager_defaults_to_auto() -> None:
     """OffloadManager without a backend picks "auto": the cpu backend on this machine
