@@ -328,7 +328,8 @@ class Mover:
         self.host = HostPool.new(host_pages, (nb,), "uint8", zero=True)
         self.io_timeout_s = io_timeout_s
         if backend is None:
-            backend = resolve_backend("cuda" if self.device.device.type == "cuda" else "cpu")
+            # cpu for CPU KV; cuda on the GPU that holds the KV (not the current one).
+            backend = resolve_backend("auto", self.device.device)
         self.backend = backend
         backend.open(self.device, self.host)
         self.storage = storage
