@@ -1,5 +1,7 @@
 """One fixture, ``harness``, that runs every backend contract test on every backend:
-sim, cpu, and cuda where a GPU is present (skipped with the reason elsewhere).
+sim, cpu, cuda where a GPU is present (skipped with the reason elsewhere), and
+``cuda-on-cpu``: the cuda backend's own code with torch.cuda's streams and events stood
+in by CPU ones (``cuda_on_cpu.py``), everywhere.
 
 A :class:`Harness` drives its backend the same way on each: ``make(...)`` builds a
 transfer over chosen pages, ``collect(n)`` waits for ``n`` completions (completing
@@ -27,7 +29,8 @@ from kvoffload.testing import SimBackend
 CUDA = torch.cuda.is_available()
 NO_GPU = (
     "no CUDA GPU here (torch.cuda.is_available() is False); "
-    "the cuda backend's stream logic is tested on the CPU in test_cuda_logic.py"
+    "the cuda backend's own code runs this test as cuda-on-cpu (CPU stand-ins of torch.cuda's "
+    "streams and events) and its stream logic is tested in test_cuda_logic.py"
 )
 
 
@@ -41,6 +44,10 @@ def _make(name: str) -> EventBackend:
         from kvoffload.backends import CudaBackend
 
         return CudaBackend(streams=2)
+    if name == "cuda-on-cpu":  # the cuda backend's own code, torch.cuda's streams stood in
+        from cuda_on_cpu import gpu_less_cuda_backend
+
+        return gpu_less_cuda_backend(streams=2)
     return resolve_backend(name)
 
 
@@ -48,6 +55,7 @@ BACKEND_PARAMS = [
     pytest.param("sim", id="sim"),
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not CUDA, reason=NO_GPU)),
+    pytest.param("cuda-on-cpu", id="cuda-on-cpu"),
 ]
 
 CONFIG = kvo.OffloadConfig(

@@ -4,14 +4,17 @@ the CPU, driven by fake events; and its behaviour without a GPU. The GPU-only ch
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
 import pytest_asyncio
 import torch
+from cuda_on_cpu import CpuCudaEvent, CpuCudaStream, gpu_less_cuda_backend
 from support import PlainIssuer
 
 import kvoffload as kvo
@@ -356,29 +359,12 @@ async def test_the_waiter_thread_selects_its_gpu_before_it_waits(monkeypatch: py
     assert seen and all(d == device for d in seen), seen
 
 
-def _gpu_less_cuda_backend(completion: str = "waiter") -> Any:
-    """A CudaBackend as its constructor builds one, without a GPU (the constructor needs
-    one): the pieces ``_make_worker`` reads are set by hand, with a stand-in for
-    ``torch.cuda.Stream`` and fake events."""
-    from types import SimpleNamespace
-
-    from kvoffload.backends._cuda import CudaBackend, _EventPool
-    from kvoffload.backends._threaded import ThreadedBackend
-
-    backend = CudaBackend.__new__(CudaBackend)
-    ThreadedBackend.__init__(backend, 1)
-    backend.device = torch.device("cuda", 2)
-    backend.completion = completion
-    backend._run_threads = completion == "waiter"
-    backend._events = _EventPool(lambda: FakeEvent("pool"))
-    backend._torch = SimpleNamespace(cuda=SimpleNamespace(Stream=lambda device: ("side stream", device)))
-    return backend
-
-
 def test_the_cuda_backend_gives_each_waiter_its_device() -> None:
     """The backend hands its device to every waiter it makes (the wiring of the test
     above; the backend is built without a GPU)."""
-    worker = _gpu_less_cuda_backend()._make_worker(0)
+    stand_in = SimpleNamespace(cuda=SimpleNamespace(Stream=lambda device: ("side stream", device)))
+    backend = gpu_less_cuda_backend(device=torch.device("cuda", 2), torch_ns=stand_in)
+    worker = backend._make_worker(0)
     assert worker.device == torch.device("cuda", 2) and worker.stream == (
         "side stream",
         torch.device("cuda", 2),
@@ -394,7 +380,7 @@ async def test_wait_completions_wakes_when_the_waiter_posts_with_no_driver_attac
     mode, because it waited on the inbox, which is woken only through a driver's waker.
     Here the waiter thread posts after the caller is already waiting; the call returns."""
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
-    backend = _gpu_less_cuda_backend()
+    backend = gpu_less_cuda_backend(device=torch.device("cuda", 3), make_event=lambda: FakeEvent("pool"))
     worker = backend._make_worker(0)
     backend._workers = [worker]
     worker.start()
@@ -417,3 +403,60 @@ async def test_wait_completions_wakes_when_the_waiter_posts_with_no_driver_attac
         worker.close()
         await anyio.to_thread.run_sync(worker.join)
     assert got == [(7, None)]
+
+
+@pytest.mark.parametrize(
+    ("stand_in", "real"), [(CpuCudaEvent, torch.cuda.Event), (CpuCudaStream, torch.cuda.Stream)]
+)
+def test_the_stand_ins_have_torch_cudas_signatures(stand_in: type, real: type) -> None:
+    """The CPU stand-ins of cuda_on_cpu.py (the contract suite's ``cuda-on-cpu`` case)
+    take what torch.cuda's Event and Stream take, and each method the same parameters:
+    a backend that calls them wrongly fails here as it would on a GPU."""
+    assert (
+        list(inspect.signature(stand_in.__init__).parameters)[1:]
+        == list(inspect.signature(real.__new__).parameters)[1:]
+    )
+    methods = [m for m in vars(stand_in) if not m.startswith("_")]
+    assert methods
+    for m in methods:
+        if callable(getattr(stand_in, m)):
+            assert list(inspect.signature(getattr(stand_in, m)).parameters) == list(
+                inspect.signature(getattr(real, m)).parameters
+            ), m
+
+
+@pytest.mark.asyncio
+async def test_the_side_stream_waits_for_what_the_copy_must_follow_on_cpu_stand_ins() -> None:
+    """F17 and F26 with the cuda backend's own code (cuda_on_cpu.py): a transfer with no
+    ``ready`` gets an event recorded at submit, and its side stream waits on exactly that
+    event before the copy is queued; a ``ready`` stream is waited on as a stream. (That
+    the GPU honours the wait is the GPU-only test above.)"""
+    from kvoffload.abc import Transfer
+
+    config = kvo.OffloadConfig(page_size=4, stride=4, device_pages=8, host_pages=8, dtype="float32")
+    b = gpu_less_cuda_backend()
+    dev, host = b.create_pools(config)
+    b.open(dev, host)
+    side = b._workers[0].stream
+    try:
+        dev.tensor[3].fill_(7.0)
+        t = Transfer(PlainIssuer(), [3], [5], [], 0, 4, 0.0)
+        b.submit(t)
+        assert isinstance(t.ready, CpuCudaEvent) and t.ready.recorded == 1 and side.waited == []
+        b.launch()
+        assert side.waited == [t.ready]
+        forward = CpuCudaStream()
+        dev.tensor[4].fill_(4.0)
+        t2 = Transfer(PlainIssuer(), [4], [4], [], 0, 4, 0.0)
+        t2.ready = forward
+        b.submit(t2)
+        b.launch()
+        assert side.waited == [t.ready, forward]
+        got: list[Any] = []
+        with anyio.fail_after(20):
+            while len(got) < 2:
+                got.extend(await b.wait_completions())
+        assert sorted(got) == sorted([(t.id, None), (t2.id, None)])
+        assert torch.all(host.tensor[5] == 7.0) and torch.all(host.tensor[4] == 4.0)
+    finally:
+        await b.aclose()
