@@ -345,12 +345,10 @@ class DecodeKVCacheOffloadManager:
         )
         if storage == "server_args":
             storage = self._storage_from(self.settings)
-        if backend is None:
-            backend = "cuda" if device_kv[0].device.type == "cuda" else "cpu"
         self._release_req = release if release is not None else self.release_request_kv
         self.manager = SyncOffloadManager(
             config,
-            backend=backend,
+            backend=backend if backend is not None else "auto",  # "auto" follows device_kv's device
             storage=storage,
             on_released=self._on_released,
             device_kv=device_kv,
