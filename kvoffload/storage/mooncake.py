@@ -38,12 +38,15 @@ Sizes take a unit (``KB``, ``MB``, ``GB``, ``KiB``, ``MiB``, ``GiB``) or are byt
 key, the payload length and an XXH3-64 checksum, then the page), as on the file and
 redis stores. Mooncake's own guarantees (a put is visible only after PutEnd; a read holds
 a lease so the object is not removed under it; sizes are exact) make a torn *put*
-unreadable, but they do not cover bytes that changed under a transfer: a write whose
-call timed out is abandoned here (so nothing hangs) while Mooncake may still be reading
-the host page, which the pool may hand to another copy; an upsert that replaces a key
-may write where a reader is reading; a segment's memory may be corrupt. The checksum,
-computed before the transfer and checked after it, turns each of these into a miss
-(FAILURES F38), never into wrong KV. ``verify=0`` keeps the header checks (key,
+unreadable, but they do not cover bytes that changed under a transfer: an upsert
+that replaces a key may write where a reader is reading; a segment's memory may be
+corrupt. The checksum, computed before the transfer and checked after it, turns each
+of these into a miss (FAILURES F38), never into wrong KV. (A write whose call is
+abandoned or cancelled is a different case: its thread may run on after the pool
+took its host pages back, and a record staged from them then would carry the next
+chunk's bytes under a checksum that matches. So staging happens under a gate that the
+caller closes when it gives up: the thread then stages nothing and puts nothing, and
+Mooncake only ever reads the arena.) ``verify=0`` keeps the header checks (key,
 length) and skips the hash (XXH3-64: tens of GB/s, small beside a transfer).
 
 **Writes** read each host page in place (never out as ``bytes``), take its checksum and
@@ -67,8 +70,10 @@ only then copy the page into its host page, so bytes that fail never touch the p
 **Threads and time.** Every client call runs on a worker thread, never on the event
 loop. Master RPCs are bounded by ``timeout_s`` (Mooncake's ``MC_RPC_TIMEOUT_MS``, set
 for the process by the first store opened unless already set). A call that has not
-returned after 3x ``timeout_s`` is abandoned (a ``StorageError``): an abandoned read's
-thread copies nothing into the caller's buffers. Opening checks that the master
+returned after 3x ``timeout_s`` is abandoned (a ``StorageError``). Once a call is
+abandoned or its caller cancelled, its thread - which may run on - touches the caller's
+memory no more: a read copies nothing into the caller's buffers, a write stages nothing
+of its host pages (both under a gate the caller closes). Opening checks that the master
 answers at all (a TCP connect bounded by ``timeout_s``) before Mooncake's setup, so a
 master that is not there is a ``StorageError`` naming it at once; while the master is
 taken as down (Mooncake said RPC_FAIL), each call checks with a TCP connect first and
@@ -259,8 +264,8 @@ class _Arena:
 
 
 class _Gate:
-    """Whether a read's thread may still copy into the caller's buffers (closed when the
-    caller gave up on it)."""
+    """Whether a call's thread may still touch the caller's buffers - a read copy into
+    them, a write stage the host pages - (closed when the caller gave up on it)."""
 
     __slots__ = ("closed", "lock")
 
@@ -569,40 +574,57 @@ class MooncakeStore(Storage):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         if keys:
             views = [memoryview(p).cast("B") for p in pages]
-            await self._abandonable("write", self._put_sync, list(keys), views)
+            await self._write(list(keys), views)
 
     async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
         """Write each host page, read in place from the pool's memory (never taken out as
         ``bytes``): on the worker thread its checksum is taken and it is copied once, with
-        its header, into a registered arena, sent in one transfer per page."""
+        its header, into a registered arena, sent in one transfer per page. A write abandoned
+        or cancelled before its thread staged the pages stages and stores nothing."""
         if len(keys) != len(host_pages):
             raise ValueError(f"{len(keys)} keys for {len(host_pages)} pages")
         if not keys:
             return
         views = page_views(host_pool, host_pages)
         try:
-            await self._abandonable("write", self._put_sync, list(keys), views)
+            await self._write(list(keys), views)
         finally:
             del views
 
-    def _put_sync(self, keys: list[str], views: list[memoryview]) -> None:
+    async def _write(self, keys: list[str], views: list[memoryview]) -> None:
+        gate = _Gate()
+        try:
+            await self._abandonable("write", self._put_sync, keys, views, gate)
+        except BaseException:  # abandoned (a StorageError) or cancelled: the thread may run on
+            gate.close()  # from now on it reads nothing of the pages
+            raise
+
+    def _put_sync(self, keys: list[str], views: list[memoryview], gate: _Gate) -> None:
         """Each record (header with its checksum, then the page) staged whole in a
         registered arena, then one ``batch_upsert_from``: one transfer per page, and a key
         already stored is replaced. Page by page, the checksum is taken from the host page
-        and the page copied right after, while it is still in the cache."""
+        and the page copied right after, while it is still in the cache.
+
+        ``gate``: staging runs under its lock, and not at all once it is
+        closed - the caller gave up on the call and the pool may have handed the pages
+        to another chunk, whose bytes would go out under these keys with checksums that
+        match them. Mooncake itself reads only the arena."""
         names = self._k(keys)
         lens = [header_size(k) + v.nbytes for k, v in zip(keys, views, strict=True)]
         with self._arena(sum(lens)) as arena:
             buf: memoryview = arena.buf.data
             off = 0
             at: list[int] = []
-            for k, v, n in zip(keys, views, lens, strict=True):
-                h = encode_header(k, v)
-                hl = len(h)
-                buf[off : off + hl] = h
-                buf[off + hl : off + n] = v
-                at.append(arena.ptr + off)
-                off += n
+            with gate.lock:
+                if gate.closed:
+                    return  # abandoned: the caller has had its StorageError
+                for k, v, n in zip(keys, views, lens, strict=True):
+                    h = encode_header(k, v)
+                    hl = len(h)
+                    buf[off : off + hl] = h
+                    buf[off + hl : off + n] = v
+                    at.append(arena.ptr + off)
+                    off += n
             codes = [int(c) for c in self._client.batch_upsert_from(names, at, lens, self._config())]
         self._raise_for(codes)
 
@@ -653,7 +675,7 @@ class MooncakeStore(Storage):
         page), checked there - key, length and (``verify``) checksum - and only then its
         page copied into ``dest``: bytes that fail never touch the host pages. A read
         that has not returned after 3x ``timeout_s`` is abandoned (a StorageError): its
-        thread then copies nothing into ``dest``."""
+        thread then copies nothing into ``dest`` (nor when the caller is cancelled)."""
         if len(keys) != len(dest):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
@@ -661,8 +683,8 @@ class MooncakeStore(Storage):
         gate = _Gate()
         try:
             return await self._abandonable("read", self._get_into_sync, list(keys), list(dest), gate)
-        except StorageError:
-            gate.close()  # the thread may still run: from now on it copies nothing into dest
+        except BaseException:  # abandoned (a StorageError) or cancelled: the thread may run on
+            gate.close()  # from now on it copies nothing into dest
             raise
 
     def _get_into_sync(self, keys: list[str], dest: list[memoryview], gate: _Gate) -> int:

@@ -11,11 +11,12 @@ conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -335,6 +336,123 @@ async def test_a_read_that_is_abandoned_copies_nothing_into_the_host_pages(store
         while store._c.busy:  # the abandoned call returns (a condition, bounded)
             await anyio.sleep(0.01)
     assert [bytes(b) for b in bufs] == [bytes(len(p)) for p in pages]
+
+
+@pytest.mark.asyncio
+async def test_a_write_that_is_abandoned_reads_nothing_more_of_the_host_pages(
+    store: MooncakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write abandoned before its thread staged the pages (the thread started late, or
+    waited on the master's TCP check) stores nothing when the thread does go on: by
+    then the writer has the pages back and the pool may have handed them to another
+    chunk, whose bytes would be stored under this key with a checksum that matches."""
+    pool = pool_of(2, 4096)
+    keys = keys_of(2)
+    release = threading.Event()
+    entered = threading.Event()
+    arena = store._arena
+
+    @contextlib.contextmanager
+    def late_arena(nbytes: int) -> Iterator[Any]:
+        entered.set()
+        release.wait(HANG_S)  # the thread is held before it copies a page
+        with arena(nbytes) as a:
+            yield a
+
+    monkeypatch.setattr(store, "_arena", late_arena)
+    store.timeout_s = 0.05  # the bound of this store's calls: 3x this
+    try:
+        with pytest.raises(StorageError, match="did not return"):
+            await store.put_pages(keys, pool, [0, 1])
+        assert entered.is_set()
+        pool.tensor[0].fill_(7)  # the pages are the pool's again: another chunk's bytes now
+        pool.tensor[1].fill_(7)
+    finally:
+        release.set()
+    with anyio.fail_after(HANG_S):
+        while store._c.busy:  # the abandoned call returns (a condition, bounded)
+            await anyio.sleep(0.01)
+    monkeypatch.undo()
+    store.timeout_s = 5.0
+    assert await store.exists_prefix(keys) == 0
+    assert await store.get(keys) == [None, None]
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_call_leaves_the_host_pages_alone_when_its_thread_goes_on(
+    store: MooncakeStore,
+) -> None:
+    """A read or write whose caller is cancelled (a load aborted, the writer closed)
+    returns at once while its thread runs on; from then on the thread copies nothing
+    into the read's buffers and stages nothing of the write's pages."""
+    keys, pages = keys_of(2), pages_of(2, salt=3)
+    await store.put(keys, pages)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Slow(Spy):
+        def __getattr__(self, name: str) -> Any:
+            fn = getattr(self.client, name)
+            if name != "batch_get_into":
+                return fn
+
+            def slow(*args: Any) -> Any:
+                entered.set()
+                release.wait(HANG_S)
+                return fn(*args)
+
+            return slow
+
+    spy = Slow(store._client)
+    store._client = spy
+    bufs = [memoryview(bytearray(len(p))) for p in pages]
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.get_into, keys, bufs)
+            with anyio.fail_after(HANG_S):
+                while not entered.is_set():
+                    await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()  # the load is aborted while its read runs
+    finally:
+        release.set()
+        store._client = spy.client
+    with anyio.fail_after(HANG_S):
+        while store._c.busy:
+            await anyio.sleep(0.01)
+    assert [bytes(b) for b in bufs] == [bytes(len(p)) for p in pages]
+
+    # A write cancelled before its thread staged the pages stores nothing of them.
+    pool = pool_of(2, 4096)
+    wkeys = keys_of(4)[2:]
+    held = threading.Event()
+    entered.clear()
+    release.clear()
+    arena = store._arena
+
+    @contextlib.contextmanager
+    def late_arena(nbytes: int) -> Iterator[Any]:
+        entered.set()
+        release.wait(HANG_S)
+        with arena(nbytes) as a:
+            held.set()
+            yield a
+
+    store._arena = late_arena  # type: ignore[method-assign]
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(store.put_pages, wkeys, pool, [0, 1])
+            with anyio.fail_after(HANG_S):
+                while not entered.is_set():
+                    await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+    finally:
+        release.set()
+    with anyio.fail_after(HANG_S):
+        while store._c.busy:
+            await anyio.sleep(0.01)
+    del store._arena
+    assert held.is_set()
+    assert await store.get(wkeys) == [None, None]
 
 
 @pytest.mark.asyncio
