@@ -55,6 +55,28 @@ class Spy:
         return call
 
 
+class HeldReads(Spy):
+    """The Mooncake client with each ``batch_get_into`` held until ``release`` is set
+    (``entered`` says one is waiting): a read that outlives its caller."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__(client)
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.client, name)
+        if name != "batch_get_into":
+            return fn
+
+        def held(*args: Any) -> Any:
+            self.entered.set()
+            self.release.wait(HANG_S)
+            return fn(*args)
+
+        return held
+
+
 def pool_of(n: int, page_bytes: int) -> HostPool:
     import torch
 
@@ -305,23 +327,8 @@ async def test_a_read_that_is_abandoned_copies_nothing_into_the_host_pages(store
     handed them to another load by then)."""
     keys, pages = keys_of(2), pages_of(2)
     await store.put(keys, pages)
-    release = threading.Event()
-    entered = threading.Event()
-
-    class Slow(Spy):
-        def __getattr__(self, name: str) -> Any:
-            fn = getattr(self.client, name)
-            if name != "batch_get_into":
-                return fn
-
-            def slow(*args: Any) -> Any:
-                entered.set()
-                release.wait(HANG_S)
-                return fn(*args)
-
-            return slow
-
-    spy = Slow(store._client)
+    spy = HeldReads(store._client)
+    release, entered = spy.release, spy.entered
     store._client = spy
     store.timeout_s = 0.05  # the bound of this store's calls: 3x this
     bufs = [memoryview(bytearray(len(p))) for p in pages]
@@ -387,23 +394,8 @@ async def test_a_cancelled_call_leaves_the_host_pages_alone_when_its_thread_goes
     into the read's buffers and stages nothing of the write's pages."""
     keys, pages = keys_of(2), pages_of(2, salt=3)
     await store.put(keys, pages)
-    release = threading.Event()
-    entered = threading.Event()
-
-    class Slow(Spy):
-        def __getattr__(self, name: str) -> Any:
-            fn = getattr(self.client, name)
-            if name != "batch_get_into":
-                return fn
-
-            def slow(*args: Any) -> Any:
-                entered.set()
-                release.wait(HANG_S)
-                return fn(*args)
-
-            return slow
-
-    spy = Slow(store._client)
+    spy = HeldReads(store._client)
+    release, entered = spy.release, spy.entered
     store._client = spy
     bufs = [memoryview(bytearray(len(p))) for p in pages]
     try:
