@@ -535,6 +535,18 @@ class MooncakeStore(Storage):
         assert scope.cancelled_caught
         raise StorageError(f"mooncake storage at {self.master}: {what} did not return within {bound:g} s")
 
+    async def _gated(self, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """:meth:`_abandonable` of ``fn(*args, gate)``, where ``fn`` touches the caller's
+        memory (host pages, read buffers) only under ``gate``'s lock and not once it is
+        closed: on any exit but success - abandoned (a StorageError) or cancelled - the
+        gate is closed, since the thread may run on after the caller has its memory back."""
+        gate = _Gate()
+        try:
+            return await self._abandonable(what, fn, *args, gate)
+        except BaseException:
+            gate.close()  # waits for a copy under way; from now on the thread touches nothing
+            raise
+
     def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T:
         """On the worker thread: count the call as running, and while the master is taken
         as down, check with a TCP connect that it listens again before calling Mooncake."""
@@ -574,7 +586,7 @@ class MooncakeStore(Storage):
             raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
         if keys:
             views = [memoryview(p).cast("B") for p in pages]
-            await self._write(list(keys), views)
+            await self._gated("write", self._put_sync, list(keys), views)
 
     async def put_pages(self, keys: Sequence[str], host_pool: HostPool, host_pages: Sequence[int]) -> None:
         """Write each host page, read in place from the pool's memory (never taken out as
@@ -587,17 +599,9 @@ class MooncakeStore(Storage):
             return
         views = page_views(host_pool, host_pages)
         try:
-            await self._write(list(keys), views)
+            await self._gated("write", self._put_sync, list(keys), views)
         finally:
             del views
-
-    async def _write(self, keys: list[str], views: list[memoryview]) -> None:
-        gate = _Gate()
-        try:
-            await self._abandonable("write", self._put_sync, keys, views, gate)
-        except BaseException:  # abandoned (a StorageError) or cancelled: the thread may run on
-            gate.close()  # from now on it reads nothing of the pages
-            raise
 
     def _put_sync(self, keys: list[str], views: list[memoryview], gate: _Gate) -> None:
         """Each record (header with its checksum, then the page) staged whole in a
@@ -680,12 +684,7 @@ class MooncakeStore(Storage):
             raise ValueError(f"{len(keys)} keys for {len(dest)} buffers")
         if not keys:
             return 0
-        gate = _Gate()
-        try:
-            return await self._abandonable("read", self._get_into_sync, list(keys), list(dest), gate)
-        except BaseException:  # abandoned (a StorageError) or cancelled: the thread may run on
-            gate.close()  # from now on it copies nothing into dest
-            raise
+        return await self._gated("read", self._get_into_sync, list(keys), list(dest))
 
     def _get_into_sync(self, keys: list[str], dest: list[memoryview], gate: _Gate) -> int:
         outs = [d.cast("B") if d.format != "B" or d.ndim != 1 else d for d in dest]
